@@ -1,0 +1,42 @@
+"""Command line: `python -m inference_engine serve [flags]` (and `convert`)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from inference_engine.blas import reexec_with_openblas
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the command line and run the chosen command; returns the exit status."""
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="python -m inference_engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    from inference_engine.config import add_server_flags, config_from_args, default_cache_dir
+
+    add_server_flags(sub.add_parser("serve", help="serve RuntimeService over gRPC"))
+    sub.add_parser("prepare-model", help="convert the packaged model once (fp32 and q4) and exit")
+    args = parser.parse_args(argv)
+    reexec_with_openblas(["-m", "inference_engine", *argv])
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    if args.command == "prepare-model":
+        from inference_engine.model.packaged import ensure_packaged_model
+
+        for quantized in (False, True):
+            print(ensure_packaged_model(default_cache_dir(), quantized=quantized))
+        return 0
+    from inference_engine.server.server import serve
+
+    try:
+        cfg = config_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    asyncio.run(serve(cfg))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""Server configuration: one frozen dataclass built at start-up from CLI flags and env."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from inference_engine.model.packaged import DEFAULT_MODEL
+
+
+def default_cache_dir() -> Path:
+    """Where converted models live: $INFERENCE_ENGINE_CACHE or ~/.cache/inference_engine."""
+    env = os.environ.get("INFERENCE_ENGINE_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "inference_engine"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Every knob of a server process."""
+
+    host: str = "127.0.0.1"  # address to bind
+    port: int = 50051  # 0 picks a free port
+    model: str = DEFAULT_MODEL  # packaged model name or mlx-lm folder
+    cache_dir: Path = Path("~/.cache/inference_engine")  # converted-model cache
+    max_sessions: int = 8  # KV slabs in the pool
+    default_sink: int = 4  # sink tokens when a session asks for 0
+    default_window: int = 1024  # window tokens when a session asks for 0
+    max_sink: int = 64  # largest sink a session may ask for
+    max_window: int = 8192  # largest window a session may ask for
+    max_rollback: int = 8  # most trailing tokens commit_or_truncate may drop (largest draft block)
+    max_tokens_per_request: int = 8192  # tokens in one AppendTokens
+    max_new_tokens: int = 4096  # upper bound of GenerateRequest.max_new_tokens
+    session_ttl_s: float = 900.0  # idle sessions expire after this
+    exact: bool = True  # run on the probed bit-exact tile; False = plain large blocks
+    max_tile: int = 16  # largest block size the probe tries
+    plain_block: int = 64  # block size when exact is off
+    grace_s: float = 10.0  # drain time for in-flight RPCs at shutdown
+
+
+def add_server_flags(parser: argparse.ArgumentParser) -> None:
+    """Register the flags that build a ServerConfig."""
+    d = ServerConfig()
+    parser.add_argument("--host", default=d.host)
+    parser.add_argument("--port", type=int, default=d.port, help="0 = pick a free port")
+    parser.add_argument("--model", default=d.model, help="packaged model name or an mlx-lm folder")
+    parser.add_argument("--max-sessions", type=int, default=d.max_sessions)
+    parser.add_argument("--default-sink", type=int, default=d.default_sink)
+    parser.add_argument("--default-window", type=int, default=d.default_window)
+    parser.add_argument("--max-sink", type=int, default=d.max_sink)
+    parser.add_argument("--max-window", type=int, default=d.max_window)
+    parser.add_argument("--max-rollback", type=int, default=d.max_rollback)
+    parser.add_argument("--max-tokens-per-request", type=int, default=d.max_tokens_per_request)
+    parser.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    parser.add_argument("--session-ttl", type=float, default=d.session_ttl_s, help="idle seconds before expiry")
+    parser.add_argument("--no-exact", action="store_true", help="plain large blocks (not chunking-invariant)")
+    parser.add_argument("--max-tile", type=int, default=d.max_tile)
+    parser.add_argument("--grace", type=float, default=d.grace_s, help="seconds to drain RPCs on SIGTERM")
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    """Build the ServerConfig from parsed flags (and the cache-dir environment variable).
+
+    Raises:
+        ValueError: a flag is out of range.
+    """
+    cfg = ServerConfig(
+        host=args.host, port=args.port, model=args.model, cache_dir=default_cache_dir(),
+        max_sessions=args.max_sessions, default_sink=args.default_sink, default_window=args.default_window,
+        max_sink=args.max_sink, max_window=args.max_window, max_rollback=args.max_rollback,
+        max_tokens_per_request=args.max_tokens_per_request, max_new_tokens=args.max_new_tokens,
+        session_ttl_s=args.session_ttl, exact=not args.no_exact, max_tile=args.max_tile, grace_s=args.grace,
+    )
+    checks = {
+        "--max-sessions": cfg.max_sessions >= 1,
+        "--default-sink": 0 <= cfg.default_sink <= cfg.max_sink,
+        "--default-window": 1 <= cfg.default_window <= cfg.max_window,
+        "--max-rollback": cfg.max_rollback >= 1,
+        "--port": 0 <= cfg.port <= 65535,
+        "--max-tile": cfg.max_tile >= 1,
+        "--session-ttl": cfg.session_ttl_s > 0,
+    }
+    bad = [flag for flag, ok in checks.items() if not ok]
+    if bad:
+        raise ValueError(f"out-of-range flags: {', '.join(bad)}")
+    return cfg

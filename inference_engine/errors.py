@@ -1,0 +1,31 @@
+"""One error hierarchy for the runtime; the servicer maps each class to one gRPC code."""
+
+from __future__ import annotations
+
+
+class RuntimeServiceError(Exception):
+    """Base of every error the runtime raises on purpose."""
+
+
+class InvalidRequest(RuntimeServiceError):
+    """A request field is out of bounds (INVALID_ARGUMENT)."""
+
+
+class SessionNotFound(RuntimeServiceError):
+    """Unknown, expired or closed session (NOT_FOUND)."""
+
+
+class PoolExhausted(RuntimeServiceError):
+    """Every KV slab of the pool is in use (RESOURCE_EXHAUSTED)."""
+
+
+class InvariantViolation(RuntimeServiceError):
+    """An operation would break INV-1/INV-2 or the session's state (FAILED_PRECONDITION)."""
+
+
+class SessionBusy(RuntimeServiceError):
+    """Another AppendTokens/Generate is running on the session (ABORTED: retry later)."""
+
+
+class EngineUnavailable(RuntimeServiceError):
+    """The compute engine is gone or shutting down (UNAVAILABLE)."""

@@ -1,0 +1,71 @@
+"""AppendTokensCoordinator: the only writer of a session's history and cache.
+
+First append prefills; later appends run forward_block + commit_or_truncate. After
+every call INV-1 (history only extends) and INV-2 (next_global_position == history
+length) are checked; if compute fails midway the cache is rebuilt from the history so
+the session is never left corrupted. Runs on the engine thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from inference_engine.errors import InvariantViolation
+from inference_engine.runtime.session import Session
+from inference_engine.verifier.sink_window_verifier import SinkWindowVerifier
+
+log = logging.getLogger(__name__)
+
+
+class AppendTokensCoordinator:
+    """Feeds tokens into one session's verifier, keeping history and cache in step."""
+
+    def __init__(self, session: Session, make_verifier: Callable[[], SinkWindowVerifier]):
+        self.session = session
+        self._make_verifier = make_verifier
+
+    def append(self, tokens: list[int]) -> None:
+        """Append `tokens` to history and cache.
+
+        Raises:
+            InvariantViolation: the session's cache and history disagree (before or
+                after the call); the session is rebuilt from its history when possible.
+        """
+        s, v = self.session, self.session.verifier
+        self.check_invariants()
+        before = list(s.history) if len(s.history) < 64 else None
+        try:
+            if not s.history:
+                v.prefill(tokens)
+            else:
+                v.forward_block(tokens, all_logits=False)
+                v.commit_or_truncate(forwarded=len(tokens), accepted=len(tokens))
+        except Exception:
+            log.exception("compute failed in session %s; rebuilding its cache from history", s.session_id)
+            self.rebuild()
+            raise
+        s.history.extend(tokens)
+        if before is not None and s.history[: len(before)] != before:  # INV-1, cheap form
+            raise InvariantViolation("history did not extend")
+        self.check_invariants()
+
+    def check_invariants(self) -> None:
+        """INV-2: the cache has advanced exactly as far as the history.
+
+        Raises:
+            InvariantViolation: with both numbers in the message.
+        """
+        s = self.session
+        pos = s.verifier.next_global_position
+        if pos != len(s.history):
+            raise InvariantViolation(
+                f"session {s.session_id}: next_global_position {pos} != history length {len(s.history)}"
+            )
+
+    def rebuild(self) -> None:
+        """Replace the verifier with one recomputed from the full history (exact replay)."""
+        s = self.session
+        s.verifier = self._make_verifier()
+        if s.history:
+            s.verifier.prefill(list(s.history))

@@ -1,0 +1,96 @@
+"""The session store: a fixed pool of KV slabs, unguessable ids and idle expiry."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+
+from inference_engine.errors import PoolExhausted, SessionNotFound
+from inference_engine.runtime.session import Session
+
+log = logging.getLogger(__name__)
+
+
+class SessionStore:
+    """Sessions by id. A slab stays counted until its session is closed *and* idle."""
+
+    def __init__(self, max_sessions: int, ttl_s: float):
+        self.max_sessions = max_sessions
+        self.ttl_s = ttl_s
+        self._sessions: dict[str, Session] = {}
+        self._draining: set[str] = set()  # closed but still busy: slab not yet free
+
+    @staticmethod
+    def new_id() -> str:
+        """128 random bits, URL-safe."""
+        return secrets.token_urlsafe(16)
+
+    @property
+    def slabs_in_use(self) -> int:
+        """Open sessions plus closed ones whose last call has not finished."""
+        return len(self._sessions) + len(self._draining)
+
+    def reserve(self) -> None:
+        """Check a slab is free before building one.
+
+        Raises:
+            PoolExhausted: all `max_sessions` slabs are in use.
+        """
+        self.expire_idle()
+        if self.slabs_in_use >= self.max_sessions:
+            raise PoolExhausted(
+                f"all {self.max_sessions} session slabs are in use; close a session or wait for idle ones to expire"
+            )
+
+    def add(self, session: Session) -> None:
+        """Register a built session (after `reserve`)."""
+        self.reserve()
+        self._sessions[session.session_id] = session
+
+    def get(self, session_id: str) -> Session:
+        """The open session with this id.
+
+        Raises:
+            SessionNotFound: unknown, closed or expired.
+        """
+        self.expire_idle()
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise SessionNotFound(f"session {session_id!r} does not exist (never created, closed, or expired)")
+        return session
+
+    def close(self, session_id: str) -> Session:
+        """Close a session; its slab frees when its running call (if any) ends.
+
+        Raises:
+            SessionNotFound: unknown or already closed.
+        """
+        session = self.get(session_id)
+        self._remove(session)
+        return session
+
+    def _remove(self, session: Session) -> None:
+        del self._sessions[session.session_id]
+        session.is_closed = True
+        if session.is_busy:
+            self._draining.add(session.session_id)
+
+    def release(self, session: Session) -> None:
+        """End a call on a session; frees the slab if the session was closed meanwhile."""
+        session.release()
+        if session.is_closed:
+            self._draining.discard(session.session_id)
+
+    def expire_idle(self) -> list[str]:
+        """Close sessions idle for longer than the TTL; returns their ids."""
+        cutoff = time.monotonic() - self.ttl_s
+        expired = [s for s in self._sessions.values() if not s.is_busy and s.last_used_mono < cutoff]
+        for session in expired:
+            log.info("session %s expired after %.0fs idle", session.session_id, self.ttl_s)
+            self._remove(session)
+        return [s.session_id for s in expired]
+
+    def all(self) -> list[Session]:
+        """Open sessions."""
+        return list(self._sessions.values())

@@ -1,0 +1,86 @@
+"""Typed requests and results at the runtime's boundary (no protobuf below the servicer)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class StopReason(enum.Enum):
+    """Why a Generate call ended."""
+
+    MAX_TOKENS = 1  # produced max_new_tokens
+    EOS = 2  # produced an end-of-sequence token (included in the stream)
+    CANCELLED = 3  # the session was closed or the server is shutting down
+
+
+@dataclass(frozen=True)
+class CreateSessionParams:
+    """A validated CreateSession request."""
+
+    eos_token_ids: tuple[int, ...]  # empty = the model's EOS ids
+    client_label: str  # echoed back
+    sink: int  # 0 = server default
+    window: int  # 0 = server default
+
+
+@dataclass(frozen=True)
+class AppendParams:
+    """A validated AppendTokens request."""
+
+    session_id: str  # target session
+    tokens: tuple[int, ...]  # non-empty, each < vocab size
+
+
+@dataclass(frozen=True)
+class GenerateParams:
+    """A validated Generate request."""
+
+    session_id: str  # target session
+    max_new_tokens: int  # 1..server limit
+    ignore_eos: bool  # keep going past EOS tokens
+
+
+@dataclass(frozen=True)
+class SessionCreated:
+    """Result of CreateSession."""
+
+    session_id: str  # unguessable id
+    sink: int  # effective sink tokens
+    window: int  # effective window tokens
+
+
+@dataclass(frozen=True)
+class AppendResult:
+    """Result of AppendTokens."""
+
+    history_length: int  # tokens in the session's history
+    next_global_position: int  # == history_length (INV-2)
+
+
+@dataclass(frozen=True)
+class GenerateChunk:
+    """One streamed piece of a Generate call."""
+
+    tokens: tuple[int, ...]  # new tokens (may be empty on the final chunk)
+    stop_reason: StopReason | None = None  # set on the final chunk only
+    history_length: int = 0  # final chunk only
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    """Result of GetSessionInfo."""
+
+    session_id: str  # id
+    history_length: int  # tokens in history
+    next_global_position: int  # position of the next token
+    cached_tokens: int  # tokens the next query attends to
+    sink: int  # sink tokens
+    window: int  # window tokens
+    eos_token_ids: tuple[int, ...]  # effective EOS ids
+    client_label: str  # label
+    created_ns: int  # creation wall time
+    last_used_ns: int  # last use wall time
+    state_digest: str  # hex SHA-256 of the exact state
+    is_exact: bool  # probed bit-exact path
+    kv_bytes: int  # KV storage held

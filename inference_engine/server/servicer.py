@@ -1,0 +1,99 @@
+"""RuntimeService over grpc.aio: protobuf in, frozen dataclasses down, errors mapped once."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Callable
+
+import grpc
+
+from inference_engine.errors import RuntimeServiceError
+from inference_engine.runtime.runtime import Runtime
+from inference_engine.runtime.types import AppendParams, CreateSessionParams, GenerateChunk, GenerateParams
+from inference_engine.server.status_codes import status_of
+from inference_engine.server.validation import Validator
+from inference_engine.v1 import runtime_pb2 as pb
+from inference_engine.v1 import runtime_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+
+def _mapped(method: Callable) -> Callable:
+    """Abort with the mapped status code on runtime errors; log unexpected ones."""
+
+    @functools.wraps(method)
+    async def wrapper(self: "RuntimeServicer", request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await method(self, request, context)
+        except RuntimeServiceError as exc:
+            await context.abort(status_of(exc), str(exc))
+        except Exception as exc:  # noqa: BLE001 - the INTERNAL catch-all, logged
+            log.exception("unexpected error in %s", method.__name__)
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+
+    return wrapper
+
+
+class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
+    """Converts and validates requests, then delegates to the Runtime."""
+
+    def __init__(self, runtime: Runtime):
+        self.runtime = runtime
+        self.validate = Validator(runtime.config, runtime.engine.spec.vocab_size)
+
+    @_mapped
+    async def CreateSession(self, request: pb.CreateSessionRequest, context: grpc.aio.ServicerContext) -> pb.CreateSessionResponse:
+        v = self.validate
+        v.length("CreateSessionRequest.client_label", len(request.client_label))
+        params = CreateSessionParams(
+            eos_token_ids=v.items("CreateSessionRequest.eos_token_ids", list(request.eos_token_ids)),
+            client_label=request.client_label,
+            sink=v.value("CreateSessionRequest.sink_tokens", request.sink_tokens),
+            window=v.value("CreateSessionRequest.window_tokens", request.window_tokens),
+        )
+        created = await self.runtime.create_session(params)
+        return pb.CreateSessionResponse(session_id=created.session_id, sink_tokens=created.sink, window_tokens=created.window)
+
+    @_mapped
+    async def AppendTokens(self, request: pb.AppendTokensRequest, context: grpc.aio.ServicerContext) -> pb.AppendTokensResponse:
+        params = AppendParams(
+            session_id=self.validate.session_id(request.session_id),
+            tokens=self.validate.items("AppendTokensRequest.tokens", list(request.tokens)),
+        )
+        result = await self.runtime.append_tokens(params)
+        return pb.AppendTokensResponse(history_length=result.history_length, next_global_position=result.next_global_position)
+
+    @_mapped
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+        params = GenerateParams(
+            session_id=self.validate.session_id(request.session_id),
+            max_new_tokens=self.validate.value("GenerateRequest.max_new_tokens", request.max_new_tokens),
+            ignore_eos=request.ignore_eos,
+        )
+
+        async def emit(chunk: GenerateChunk) -> None:
+            await context.write(
+                pb.GenerateResponse(
+                    tokens=chunk.tokens,
+                    stop_reason=chunk.stop_reason.value if chunk.stop_reason else pb.STOP_REASON_UNSPECIFIED,
+                    history_length=chunk.history_length,
+                )
+            )
+
+        await self.runtime.generate(params, emit)
+
+    @_mapped
+    async def CloseSession(self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext) -> pb.CloseSessionResponse:
+        n = await self.runtime.close_session(self.validate.session_id(request.session_id))
+        return pb.CloseSessionResponse(history_length=n)
+
+    @_mapped
+    async def GetSessionInfo(self, request: pb.GetSessionInfoRequest, context: grpc.aio.ServicerContext) -> pb.GetSessionInfoResponse:
+        i = await self.runtime.session_info(self.validate.session_id(request.session_id))
+        return pb.GetSessionInfoResponse(
+            session_id=i.session_id, history_length=i.history_length, next_global_position=i.next_global_position,
+            cached_tokens=i.cached_tokens, sink_tokens=i.sink, window_tokens=i.window,
+            eos_token_ids=i.eos_token_ids, client_label=i.client_label, created_unix_nanos=i.created_ns,
+            last_used_unix_nanos=i.last_used_ns, state_digest=i.state_digest, exact=i.is_exact, kv_bytes=i.kv_bytes,
+        )

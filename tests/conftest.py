@@ -1,0 +1,63 @@
+"""Shared fixtures: a tiny random model, the packaged real model, in-process servers."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from pathlib import Path
+from typing import AsyncIterator
+
+import grpc
+import pytest
+
+from inference_engine.config import ServerConfig, default_cache_dir
+from inference_engine.model.loader import LoadedModel, load_model, random_model
+from inference_engine.model.packaged import ensure_packaged_model
+from inference_engine.runtime.engine import Engine
+from inference_engine.runtime.runtime import Runtime
+from inference_engine.server.server import start_server
+from inference_engine.v1 import runtime_pb2_grpc as pb_grpc
+
+
+@pytest.fixture(scope="session")
+def tiny() -> LoadedModel:
+    """A 2-layer random-weight llama (vocab 256)."""
+    return random_model(seed=0)
+
+
+@pytest.fixture(scope="session")
+def real_model_path() -> Path:
+    """mlx-lm folder of the packaged SmolLM2-135M (fp32), converted once."""
+    return ensure_packaged_model(default_cache_dir())
+
+
+@pytest.fixture(scope="session")
+def real_model(real_model_path: Path) -> LoadedModel:
+    """The packaged SmolLM2-135M in fp32."""
+    return load_model(real_model_path)
+
+
+@pytest.fixture(scope="session")
+def real_engine(real_model: LoadedModel) -> Engine:
+    """Exact engine over the real model (shared: probing costs ~0.5 s)."""
+    return Engine(real_model, exact=True, max_tile=16, plain_block=64, max_rollback=8)
+
+
+def make_config(**overrides: object) -> ServerConfig:
+    """A test ServerConfig (port 0, small limits)."""
+    base = ServerConfig(port=0, max_sessions=4, default_window=64, session_ttl_s=600.0, grace_s=1.0)
+    return dataclasses.replace(base, **overrides)
+
+
+@contextlib.asynccontextmanager
+async def running_server(engine: Engine, **overrides: object) -> AsyncIterator[tuple[pb_grpc.RuntimeServiceStub, Runtime]]:
+    """A real grpc.aio server on 127.0.0.1:0 over `engine`; yields an aio stub and the runtime."""
+    runtime = Runtime(engine, make_config(**overrides))
+    server, port = await start_server(runtime, "127.0.0.1", 0)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield pb_grpc.RuntimeServiceStub(channel), runtime
+    finally:
+        await channel.close()
+        await server.stop(0.5)
+        await runtime.stop()

@@ -1,0 +1,69 @@
+"""`python -m inference_engine` as a real process: readiness line, BLAS log, SIGTERM drain."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+
+from inference_engine.v1 import runtime_pb2 as pb
+from inference_engine.v1 import runtime_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.real_model
+
+
+def _start(*flags: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "inference_engine", "serve", "--port", "0", *flags],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )
+    line = proc.stdout.readline()
+    assert line.startswith("listening on 127.0.0.1:"), (line, proc.stderr.read() if proc.poll() is not None else "")
+    return proc, line.split()[-1]
+
+
+def test_serve_readiness_drain_and_sigterm(real_model_path):
+    proc, target = _start("--max-sessions", "2", "--grace", "30")
+    try:
+        stub = pb_grpc.RuntimeServiceStub(grpc.insecure_channel(target))
+        sid = stub.CreateSession(pb.CreateSessionRequest()).session_id
+        stub.AppendTokens(pb.AppendTokensRequest(session_id=sid, tokens=[1, 2, 3, 4]))
+        stream = stub.Generate(pb.GenerateRequest(session_id=sid, max_new_tokens=24, ignore_eos=True))
+        first = next(stream)
+        proc.send_signal(signal.SIGTERM)  # in-flight Generate must be drained, not cut
+        rest = list(stream)
+        tokens = list(first.tokens) + [t for m in rest for t in m.tokens]
+        assert len(tokens) == 24 and rest[-1].stop_reason == pb.STOP_REASON_MAX_TOKENS
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
+    err = proc.stderr.read()
+    assert "BLAS in use: openblas" in err and "exact mode: block size" in err and "stopped" in err
+
+
+def test_reexec_preloads_openblas_without_ld_preload(real_model_path):
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    proc, _ = _start("--no-exact", env=env)
+    try:
+        time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
+    err = proc.stderr.read()
+    assert "BLAS in use: openblas" in err and "plain mode" in err
+
+
+def test_bad_flag_is_a_usage_error():
+    out = subprocess.run([sys.executable, "-m", "inference_engine", "serve", "--max-sessions", "0"], capture_output=True, text=True)
+    assert out.returncode == 2 and "--max-sessions" in out.stderr
+
+
+def test_prepare_model_prints_folders(real_model_path):
+    out = subprocess.run([sys.executable, "-m", "inference_engine", "prepare-model"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0
+    fp32, q4 = out.stdout.split()
+    assert fp32 == str(real_model_path) and q4.endswith("q4")

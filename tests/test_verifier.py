@@ -1,0 +1,96 @@
+"""Sink-window verifier on the tiny model: API contract, INV-3, wrap and rollback."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from inference_engine.errors import InvariantViolation
+from inference_engine.runtime.engine import Engine
+from tests.exactness import chunkings, feed
+
+SINK, WINDOW = 3, 8
+TOKENS = np.random.default_rng(1).integers(0, 256, 3 * (SINK + WINDOW) + 5).tolist()
+
+
+@pytest.fixture(scope="module")
+def engine(tiny):
+    return Engine(tiny, exact=True, max_tile=16, plain_block=64, max_rollback=4)
+
+
+def test_probe_picked_a_tile(engine):
+    assert engine.is_exact and 1 <= engine.block <= 16
+
+
+@pytest.mark.parametrize("name,sizes", chunkings(len(TOKENS)).items())
+def test_any_chunking_same_digest(engine, name, sizes):
+    ref = feed(engine, TOKENS, [len(TOKENS)], SINK, WINDOW)
+    v = feed(engine, TOKENS, sizes, SINK, WINDOW)
+    assert v.next_global_position == len(TOKENS)
+    assert v.cached_token_sequence == TOKENS[:SINK] + TOKENS[-WINDOW:]
+    assert np.array(v.next_token_logits).tobytes() == np.array(ref.next_token_logits).tobytes()
+    assert v.state_digest() == ref.state_digest()
+
+
+def test_rollback_after_wrap_equals_never_fed(engine):
+    base = TOKENS[:30]
+    extra = TOKENS[30:34]
+    ref = feed(engine, TOKENS, [30], SINK, WINDOW)
+    v = feed(engine, TOKENS, [30], SINK, WINDOW)
+    logits = v.forward_block(extra)
+    assert logits.shape == (4, 256)
+    assert v.next_global_position == 30  # pending tokens are not committed
+    v.commit_or_truncate(forwarded=4, accepted=0)
+    assert v.state_digest() == ref.state_digest()
+    # Accept part of a block: same as feeding just that part.
+    v.forward_block(extra)
+    v.commit_or_truncate(4, 2)
+    ref2 = feed(engine, base + extra[:2], [32], SINK, WINDOW)
+    assert v.state_digest() == ref2.state_digest()
+    assert v.cached_token_sequence == ref2.cached_token_sequence
+
+
+def test_verification_logits_equal_sequential(engine):
+    v = feed(engine, TOKENS, [20], SINK, WINDOW)
+    block = v.forward_block(TOKENS[20:24])
+    seq = feed(engine, TOKENS, [20], SINK, WINDOW)
+    for i, t in enumerate(TOKENS[20:24]):
+        seq.forward_block([t])
+        seq.commit_or_truncate(1, 1)
+        assert np.array(block[i]).tobytes() == np.array(seq.next_token_logits).tobytes()
+
+
+def test_contract_errors(engine):
+    v = engine.make_verifier(SINK, WINDOW)
+    assert v.next_token_logits is None and v.cached_token_sequence == [] and v.next_global_position == 0
+    with pytest.raises(InvariantViolation, match="at least one"):
+        v.forward_block([])
+    with pytest.raises(InvariantViolation, match="pending"):
+        v.commit_or_truncate(1, 1)
+    v.forward_block([1, 2, 3, 4, 5, 6])
+    with pytest.raises(InvariantViolation, match="awaits"):
+        v.forward_block([1])
+    with pytest.raises(InvariantViolation, match="accepted="):
+        v.commit_or_truncate(6, 1)  # would drop 5 > max_rollback 4
+    v.commit_or_truncate(6, 6)
+    v.forward_block([7, 8], all_logits=False)
+    with pytest.raises(InvariantViolation, match="accepted whole"):
+        v.commit_or_truncate(2, 1)
+    v.commit_or_truncate(2, 2)
+    assert v.next_global_position == 8 and v.nbytes > 0
+
+
+def test_memory_bounded_by_geometry(engine):
+    v = feed(engine, TOKENS, [len(TOKENS)], SINK, WINDOW)
+    before = v.nbytes
+    more = feed(engine, TOKENS * 4, [len(TOKENS) * 4], SINK, WINDOW)
+    assert more.nbytes == before
+    g = engine.geometry(SINK, WINDOW)
+    assert before == 2 * 2 * g.slots * engine.spec.num_kv_heads * engine.spec.head_dim * 4  # layers*K/V*...
+
+
+def test_plain_mode_is_not_exact(tiny):
+    """Negative control on the tiny model: big blocks change the bits (OpenBLAS active)."""
+    plain = Engine(tiny, exact=False, max_tile=16, plain_block=64, max_rollback=4)
+    assert not plain.is_exact and plain.probe is None
+    digests = {feed(plain, TOKENS, sizes, SINK, WINDOW).state_digest() for sizes in chunkings(len(TOKENS)).values()}
+    assert len(digests) > 1
