@@ -53,6 +53,25 @@ def _lm_head(model: nn.Module, h: mx.array) -> mx.array:
     return model.lm_head(h)
 
 
+def embed(model: nn.Module, tokens: mx.array) -> mx.array:
+    """(L,) int32 token ids -> (1, L, hidden) embeddings (the head shard's first step)."""
+    return model.model.embed_tokens(tokens[None])
+
+
+def run_layers(model: nn.Module, h: mx.array, cache: list[SinkWindowKVCache], start: int, end: int) -> mx.array:
+    """Run transformer blocks [start, end) on (1, L, hidden); cache[i] belongs to block start+i."""
+    for layer, layer_cache in zip(model.model.layers[start:end], cache):
+        h = _block(layer, h, layer_cache)
+    return h
+
+
+def lm_head(model: nn.Module, h: mx.array, all_logits: bool) -> mx.array:
+    """Final norm + LM head (the tail shard's last step): (1, L, hidden) -> (L or 1, V) fp32."""
+    if not all_logits:
+        h = h[:, -1:, :]
+    return _lm_head(model, h)[0].astype(mx.float32)
+
+
 def forward_chunk(model: nn.Module, tokens: mx.array, cache: list[SinkWindowKVCache], all_logits: bool) -> mx.array:
     """Run one chunk of at most `max_block` rows through every layer.
 
@@ -64,12 +83,8 @@ def forward_chunk(model: nn.Module, tokens: mx.array, cache: list[SinkWindowKVCa
     Returns:
         (L, V) or (1, V) float32 logits.
     """
-    h = model.model.embed_tokens(tokens[None])  # (1, L, hidden)
-    for layer, layer_cache in zip(model.model.layers, cache):
-        h = _block(layer, h, layer_cache)
-    if not all_logits:
-        h = h[:, -1:, :]
-    return _lm_head(model, h)[0].astype(mx.float32)
+    h = run_layers(model, embed(model, tokens), cache, 0, len(model.model.layers))
+    return lm_head(model, h, all_logits)
 
 
 def forward(model: nn.Module, tokens: list[int], cache: list[SinkWindowKVCache], all_logits: bool = True) -> mx.array:
