@@ -2,27 +2,27 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from inference_engine.verifier.kv_cache import CacheGeometry, SinkWindowKVCache, row_layout
+from inference_engine.verifier.kv_cache import CacheGeometry, SinkWindowKVCache, row_mask
 
 G = CacheGeometry(sink=2, window=4, max_block=3, max_rollback=2)
 
 
 def test_geometry_sizes():
-    assert G.ring == 9 and G.slots == 11 and G.keys_per_row == 7
+    assert G.ring == 9 and G.slots == 11
     assert G.slot_of(np.array([0, 1, 2, 10, 11])).tolist() == [0, 1, 2, 10, 2]
     assert G.visible_positions(0) == [0]
     assert G.visible_positions(3) == [0, 1, 2, 3]
     assert G.visible_positions(20) == [0, 1, 16, 17, 18, 19, 20]
 
 
-def test_row_layout_masks_missing_positions():
-    slots, mask = row_layout(G, 1, 2)
-    m = np.array(mask)[:, 0, 0, :]
-    # Row at p=1: sinks 0,1 visible; window p-4..p = -3..1 all < sink -> masked.
-    assert m[0].tolist() == [True, True, False, False, False, False, False]
-    # Row at p=2: window slot for position 2 is visible.
-    assert m[1].tolist() == [True, True, False, False, False, False, True]
-    assert np.array(slots).reshape(2, 7)[1, 6] == 2
+def test_row_mask_depends_only_on_position():
+    m = np.array(row_mask(G, 1, 2))[:, 0, 0, :]
+    # Row at p=1 sees sinks 0 and 1 only; row at p=2 also sees slot 2 (position 2).
+    assert np.flatnonzero(m[0]).tolist() == [0, 1]
+    assert np.flatnonzero(m[1]).tolist() == [0, 1, 2]
+    # Row at p=20: sinks, then positions 16..20 in ring slots 2 + (x - 2) % 9.
+    assert np.flatnonzero(np.array(row_mask(G, 20, 1))[0, 0, 0]).tolist() == [0, 1, 2, 7, 8, 9, 10]
+    assert np.array_equal(np.array(row_mask(G, 19, 2))[1], np.array(row_mask(G, 20, 1))[0])
 
 
 def test_update_trim_and_canonical_state():
@@ -30,7 +30,7 @@ def test_update_trim_and_canonical_state():
     for p in range(12):
         kv = mx.full((1, 1, 2), float(p))
         k, v, mask = c.update_and_fetch(kv, kv)
-        assert k.shape == (1, 1, 7, 2) and mask.shape == (1, 1, 1, 7)
+        assert k.shape == (1, 11, 2) and mask.shape == (1, 1, 1, 11)
     assert c.offset == 12
     assert c.retained_positions() == [0, 1, 8, 9, 10, 11]
     keys, _ = c.canonical_state()

@@ -30,13 +30,15 @@ def _attention(layer: nn.Module, x: mx.array, cache: SinkWindowKVCache) -> mx.ar
     v = layer.v_proj(x).reshape(1, length, n_kv, -1).transpose(0, 2, 1, 3)  # (1, n_kv, L, D)
     q = layer.rope(q, offset=cache.offset)
     k = layer.rope(k, offset=cache.offset)
-    keys, values, mask = cache.update_and_fetch(k[0], v[0])  # (L, n_kv, C, D) x2, (L,1,1,C)
+    keys, values, mask = cache.update_and_fetch(k[0], v[0])  # (n_kv, S, D) x2, (L, 1, 1, S)
     head_dim = q.shape[-1]
     q = (q[0] * layer.scale).transpose(1, 0, 2).reshape(length, n_kv, n_heads // n_kv, head_dim)  # (L, n_kv, rep, D)
-    scores = q @ keys.transpose(0, 1, 3, 2)  # (L, n_kv, rep, C)
+    # Broadcast over rows: one small matmul per (row, kv head), so a row's bits never
+    # depend on how many rows share the block.
+    scores = q @ keys.transpose(0, 2, 1)[None]  # (L, n_kv, rep, S)
     scores = mx.where(mask, scores, mx.array(-mx.inf, dtype=scores.dtype))
     probs = mx.softmax(scores, axis=-1, precise=True)
-    out = probs @ values  # (L, n_kv, rep, D)
+    out = probs @ values[None]  # (L, n_kv, rep, D)
     return layer.o_proj(out.reshape(1, length, n_heads * head_dim))
 
 

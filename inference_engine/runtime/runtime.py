@@ -106,8 +106,8 @@ class Runtime:
     async def generate(self, p: GenerateParams, emit: Emit) -> None:
         """Greedy generation; each token is emitted, then joins the history.
 
-        A token counts as sent once `emit` returns; if the caller is cancelled, the
-        history holds exactly the sent tokens and the session stays consistent.
+        A token counts as sent once it is handed to `emit`; if the caller is cancelled,
+        the history holds exactly the sent tokens and the session stays consistent.
 
         Raises:
             SessionNotFound, SessionBusy, InvariantViolation (no tokens appended yet).
@@ -125,8 +125,10 @@ class Runtime:
                     stop = StopReason.CANCELLED
                     break
                 token = await self.engine.run(self._greedy_step, coord, state)
-                await emit(GenerateChunk((token,)))
+                # Sent from the moment it is handed to the transport: a cancel that lands
+                # mid-write may still deliver it, so it must join the history either way.
                 state.pending = token
+                await emit(GenerateChunk((token,)))
                 if not p.ignore_eos and token in session.eos_token_ids:
                     stop = StopReason.EOS
                     break

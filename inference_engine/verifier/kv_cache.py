@@ -1,13 +1,13 @@
-"""Sink + sliding-window KV cache with global positions and a fixed per-row key layout.
+"""Sink + sliding-window KV cache with global positions and a chunking-independent layout.
 
-Every query row at global position p attends to the same canonical key list, however
-the tokens were chunked: slots [0, sink) hold positions 0..sink-1, slots sink..sink+window
-hold positions p-window..p (oldest first). Missing positions are masked. Because the
-layout depends only on p, attention reduces over identical data in identical order.
+Storage: sinks at slots [0, sink), every later position x in a ring slot
+`sink + (x - sink) % ring`, where `ring = window + max_block + max_rollback`, so the rows of a
+block and a rollback of up to `max_rollback` tokens never need an overwritten slot.
 
-Storage is a ring: sinks at fixed slots, the rest at `sink + (p - sink) % ring`, where
-`ring = window + max_block + max_rollback` so a block's rows and a rollback of up to
-`max_rollback` tokens never need an overwritten slot.
+A query at global position p attends to the sinks and to positions p-window..p. Attention
+reads the whole storage with a per-row mask; which slots are valid, and where, depends only
+on p, so scores, softmax and the weighted sum reduce identical data in identical order
+however the tokens were chunked (masked slots contribute exact zeros).
 """
 
 from __future__ import annotations
@@ -38,11 +38,6 @@ class CacheGeometry:
         """Total storage slots per layer."""
         return self.sink + self.ring
 
-    @property
-    def keys_per_row(self) -> int:
-        """Width of the canonical key list of one query row."""
-        return self.sink + self.window + 1
-
     def slot_of(self, positions: np.ndarray) -> np.ndarray:
         """Storage slot of each global position."""
         return np.where(positions < self.sink, positions, self.sink + (positions - self.sink) % self.ring)
@@ -52,24 +47,17 @@ class CacheGeometry:
         return list(range(min(self.sink, p + 1))) + list(range(max(self.sink, p - self.window), p + 1))
 
 
-@lru_cache(maxsize=256)
-def row_layout(geometry: CacheGeometry, start: int, length: int) -> tuple[mx.array, mx.array]:
-    """Gather indices and validity mask for rows at positions start..start+length-1.
+@lru_cache(maxsize=512)
+def row_mask(geometry: CacheGeometry, start: int, length: int) -> mx.array:
+    """Validity of every storage slot for rows at positions start..start+length-1.
 
     Returns:
-        (slots (length * keys_per_row,) int32, mask (length, 1, 1, keys_per_row) bool)
+        (length, 1, 1, slots) bool: slot s is visible to row i.
     """
-    g = geometry
-    p = np.arange(start, start + length)[:, None]  # (L, 1)
-    sink_pos = np.broadcast_to(np.arange(g.sink)[None, :], (length, g.sink))  # (L, sink)
-    win_pos = p - g.window + np.arange(g.window + 1)[None, :]  # (L, window + 1)
-    sink_ok = sink_pos <= p
-    win_ok = win_pos >= g.sink
-    pos = np.concatenate([sink_pos, win_pos], axis=1)  # (L, C)
-    ok = np.concatenate([sink_ok, win_ok], axis=1)
-    # Masked slots read slot 0 (always finite) so 0 * value stays 0 in probs @ V.
-    slots = np.where(ok, g.slot_of(np.maximum(pos, 0)), 0).astype(np.int32)
-    return mx.array(slots.reshape(-1)), mx.array(ok[:, None, None, :])
+    mask = np.zeros((length, geometry.slots), dtype=bool)
+    for i in range(length):
+        mask[i, geometry.slot_of(np.array(geometry.visible_positions(start + i)))] = True
+    return mx.array(mask[:, None, None, :])
 
 
 class SinkWindowKVCache:
@@ -83,17 +71,18 @@ class SinkWindowKVCache:
         self.geometry = geometry
         self.offset = 0
         shape = (num_kv_heads, geometry.slots, head_dim)
+        # Zero-initialised: masked slots must hold finite values (0 * value must be 0).
         self.keys = mx.zeros(shape, dtype=dtype)  # (n_kv, slots, D)
         self.values = mx.zeros(shape, dtype=dtype)  # (n_kv, slots, D)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        """Store K/V for positions offset..offset+L-1 and gather each row's key list.
+        """Store K/V for positions offset..offset+L-1; return the storage and each row's mask.
 
         Args:
             keys: (n_kv, L, D) RoPE-rotated keys of the new rows.
             values: (n_kv, L, D) values of the new rows.
         Returns:
-            keys (L, n_kv, C, D), values (L, n_kv, C, D), mask (L, 1, 1, C) bool.
+            keys (n_kv, slots, D), values (n_kv, slots, D), mask (L, 1, 1, slots) bool.
         """
         g = self.geometry
         length = keys.shape[1]
@@ -102,13 +91,9 @@ class SinkWindowKVCache:
         write = mx.array(g.slot_of(np.arange(self.offset, self.offset + length)).astype(np.int32))
         self.keys[:, write, :] = keys
         self.values[:, write, :] = values
-        slots, mask = row_layout(g, self.offset, length)
+        mask = row_mask(g, self.offset, length)
         self.offset += length
-        n_kv, _, d = self.keys.shape
-        k = self.keys[:, slots, :].reshape(n_kv, length, g.keys_per_row, d).transpose(1, 0, 2, 3)
-        v = self.values[:, slots, :].reshape(n_kv, length, g.keys_per_row, d).transpose(1, 0, 2, 3)
-        return k, v, mask
-
+        return self.keys, self.values, mask
     def trim(self, n: int) -> int:
         """Drop the last n positions; returns n. Raises ValueError past max_rollback."""
         if n < 0 or n > self.geometry.max_rollback or n > self.offset:

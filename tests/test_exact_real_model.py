@@ -1,0 +1,91 @@
+"""INV-3 on the real packaged model: any chunking, across window wrap and rollback, bitwise.
+
+Sink 4 + window 32, sequences of 120 tokens (> 3 x (sink + window)). "Identical" means the
+state digest: next-token logits bytes, cached token sequence, position and cached K/V bytes.
+"""
+
+import numpy as np
+import pytest
+
+from inference_engine.blas import active_blas
+from inference_engine.runtime.engine import Engine
+from inference_engine.v1 import runtime_pb2 as pb
+from tests.conftest import running_server
+from tests.exactness import chunkings, feed
+
+pytestmark = pytest.mark.real_model
+
+SINK, WINDOW, N = 4, 32, 120
+CHUNKINGS = {**chunkings(N), "straddle wrap": [30, 10, 80], "tile edges": [11, 12, 13, 1, 24, 59]}
+
+
+@pytest.fixture(scope="module")
+def tokens(real_model):
+    return np.random.default_rng(7).integers(0, real_model.spec.vocab_size, N).tolist()
+
+
+@pytest.fixture(scope="module")
+def reference(real_engine, tokens):
+    return feed(real_engine, tokens, [N], SINK, WINDOW)
+
+
+def test_openblas_is_active_and_tile_probed(real_engine):
+    assert active_blas().startswith("openblas"), "the battery must run on the fast, batch-variant BLAS"
+    assert real_engine.is_exact and real_engine.block >= 2
+
+
+@pytest.mark.parametrize("name", sorted(CHUNKINGS))
+def test_chunking_invariance(real_engine, tokens, reference, name):
+    v = feed(real_engine, tokens, CHUNKINGS[name], SINK, WINDOW)
+    assert v.next_global_position == N
+    assert v.cached_token_sequence == tokens[:SINK] + tokens[-WINDOW:]
+    assert np.array(v.next_token_logits).tobytes() == np.array(reference.next_token_logits).tobytes()
+    assert v.state_digest() == reference.state_digest()
+
+
+@pytest.mark.parametrize("fed,block,accepted", [(60, 8, 0), (60, 8, 3), (100, 5, 4), (37, 8, 8)])
+def test_rollback_after_wrap(real_engine, tokens, fed, block, accepted):
+    v = feed(real_engine, tokens, [fed], SINK, WINDOW)
+    drafted = list(reversed(tokens[fed : fed + block]))  # mostly wrong guesses
+    v.forward_block(drafted)
+    v.commit_or_truncate(block, accepted)
+    same = feed(real_engine, tokens[:fed] + drafted[:accepted], [fed + accepted], SINK, WINDOW)
+    assert v.state_digest() == same.state_digest()
+    # Continue with the true tokens: a rolled-back block leaves no trace.
+    rest = tokens[fed : fed + 10]
+    v.forward_block(rest)
+    v.commit_or_truncate(len(rest), len(rest))
+    ref = feed(real_engine, tokens[:fed] + drafted[:accepted] + rest, [fed + accepted + len(rest)], SINK, WINDOW)
+    assert v.state_digest() == ref.state_digest()
+
+
+async def test_two_sessions_through_server(real_engine, tokens):
+    sizes = CHUNKINGS["random1"]
+    async with running_server(real_engine) as (stub, _):
+        sids = []
+        for plan in ([N], sizes):
+            sid = (await stub.CreateSession(pb.CreateSessionRequest(sink_tokens=SINK, window_tokens=WINDOW))).session_id
+            i = 0
+            for n in plan:
+                await stub.AppendTokens(pb.AppendTokensRequest(session_id=sid, tokens=tokens[i : i + n]))
+                i += n
+            sids.append(sid)
+        infos = [await stub.GetSessionInfo(pb.GetSessionInfoRequest(session_id=s)) for s in sids]
+        assert infos[0].state_digest == infos[1].state_digest and infos[0].exact
+        streams = []
+        for sid in sids:
+            got = []
+            async for msg in stub.Generate(pb.GenerateRequest(session_id=sid, max_new_tokens=12, ignore_eos=True)):
+                got += list(msg.tokens)
+            streams.append(got)
+        assert streams[0] == streams[1] and len(streams[0]) == 12
+        infos = [await stub.GetSessionInfo(pb.GetSessionInfoRequest(session_id=s)) for s in sids]
+        assert infos[0].state_digest == infos[1].state_digest
+
+
+def test_negative_control_plain_path_mismatches(real_model, tokens):
+    """With the exact path off (64-row blocks), chunking changes the bits under OpenBLAS."""
+    assert active_blas().startswith("openblas")
+    plain = Engine(real_model, exact=False, max_tile=16, plain_block=64, max_rollback=8)
+    digests = {name: feed(plain, tokens, CHUNKINGS[name], SINK, WINDOW).state_digest() for name in ("1xN", "random0", "4 uneven")}
+    assert len(set(digests.values())) > 1, digests
