@@ -1,4 +1,4 @@
-"""Command line: `python -m inference_engine serve [flags]` (and `convert`)."""
+"""Command line: `python -m inference_engine serve [flags]` (and `prepare-model`, `shard-worker`)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m inference_engine")
     sub = parser.add_subparsers(dest="command", required=True)
     from inference_engine.config import add_server_flags, config_from_args, default_cache_dir
+    from inference_engine.shard.worker_config import add_worker_flags
 
     add_server_flags(sub.add_parser("serve", help="serve RuntimeService over gRPC"))
+    add_worker_flags(sub.add_parser("shard-worker", help="serve one layer range over ShardRuntime (gRPC)"))
     sub.add_parser("prepare-model", help="convert the packaged model once (fp32 and q4) and exit")
     args = parser.parse_args(argv)
     reexec_with_openblas(["-m", "inference_engine", *argv])
@@ -29,13 +31,21 @@ def main(argv: list[str] | None = None) -> int:
         for quantized in (False, True):
             print(ensure_packaged_model(default_cache_dir(), quantized=quantized))
         return 0
+    if args.command == "shard-worker":
+        from inference_engine.shard.worker import run_worker
+
+        return run_worker(args, parser)
     from inference_engine.server.server import serve
 
     try:
         cfg = config_from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
-    asyncio.run(serve(cfg))
+    try:
+        asyncio.run(serve(cfg))
+    except (ValueError, FileNotFoundError, OSError) as exc:
+        logging.getLogger("inference_engine").error("cannot serve: %s", exc)
+        exit_now(2)
     exit_now(0)
     return 0  # pragma: no cover - exit_now does not return
 

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from inference_engine.model.packaged import DEFAULT_MODEL
+from inference_engine.model.packaged import DEFAULT_MODEL, DRAFT_MODEL
 
 
 def default_cache_dir() -> Path:
@@ -23,6 +23,7 @@ class ServerConfig:
     host: str = "127.0.0.1"  # address to bind
     port: int = 50051  # 0 picks a free port
     model: str = DEFAULT_MODEL  # packaged model name or mlx-lm folder
+    draft_model: str | None = DRAFT_MODEL  # draft model for SPECULATIVE_DRAFT; None = no draft model
     cache_dir: Path = Path("~/.cache/inference_engine")  # converted-model cache
     max_sessions: int = 8  # KV slabs in the pool
     default_sink: int = 4  # sink tokens when a session asks for 0
@@ -45,6 +46,11 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default=d.host)
     parser.add_argument("--port", type=int, default=d.port, help="0 = pick a free port")
     parser.add_argument("--model", default=d.model, help="packaged model name or an mlx-lm folder")
+    parser.add_argument(
+        "--draft-model", default=None,
+        help="draft model for SPECULATIVE_DRAFT (packaged name or folder, 'none' to disable); "
+        f"default: {DRAFT_MODEL} when serving the packaged model, else none",
+    )
     parser.add_argument("--max-sessions", type=int, default=d.max_sessions)
     parser.add_argument("--default-sink", type=int, default=d.default_sink)
     parser.add_argument("--default-window", type=int, default=d.default_window)
@@ -59,6 +65,12 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grace", type=float, default=d.grace_s, help="seconds to drain RPCs on SIGTERM")
 
 
+def _draft_choice(flag: str | None, model: str) -> str | None:
+    if flag is None:
+        return DRAFT_MODEL if model == DEFAULT_MODEL else None
+    return None if flag.lower() == "none" else flag
+
+
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     """Build the ServerConfig from parsed flags (and the cache-dir environment variable).
 
@@ -67,6 +79,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     """
     cfg = ServerConfig(
         host=args.host, port=args.port, model=args.model, cache_dir=default_cache_dir(),
+        draft_model=_draft_choice(args.draft_model, args.model),
         max_sessions=args.max_sessions, default_sink=args.default_sink, default_window=args.default_window,
         max_sink=args.max_sink, max_window=args.max_window, max_rollback=args.max_rollback,
         max_tokens_per_request=args.max_tokens_per_request, max_new_tokens=args.max_new_tokens,

@@ -70,7 +70,7 @@ def test_contract_errors(engine):
     with pytest.raises(InvariantViolation, match="awaits"):
         v.forward_block([1])
     with pytest.raises(InvariantViolation, match="accepted="):
-        v.commit_or_truncate(6, 1)  # would drop 5 > max_rollback 4
+        v.commit_or_truncate(6, 0)  # would drop 6 > rollback room 4 + 1
     v.commit_or_truncate(6, 6)
     v.forward_block([7, 8], all_logits=False)
     with pytest.raises(InvariantViolation, match="accepted whole"):

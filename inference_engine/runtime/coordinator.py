@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
+import mlx.core as mx
+
 from inference_engine.errors import InvariantViolation
 from inference_engine.runtime.session import Session
 from inference_engine.verifier.sink_window_verifier import SinkWindowVerifier
@@ -48,6 +50,33 @@ class AppendTokensCoordinator:
         s.history.extend(tokens)
         if before is not None and s.history[: len(before)] != before:  # INV-1, cheap form
             raise InvariantViolation("history did not extend")
+        self.check_invariants()
+
+    def verify(self, block: list[int]) -> mx.array:
+        """Forward a generation block (next greedy token + drafts), pending `accept`.
+
+        Returns:
+            (L, V) logits; row i predicts the token after block[i].
+        """
+        self.check_invariants()
+        return self.session.verifier.forward_block(block, all_logits=True)
+
+    def accept(self, block: list[int], accepted: int) -> None:
+        """Commit the first `accepted` tokens of the verified block to cache and history."""
+        self.session.verifier.commit_or_truncate(forwarded=len(block), accepted=accepted)
+        self.session.history.extend(block[:accepted])
+        self.check_invariants()
+
+    def retract(self, n: int, logits: mx.array | None) -> None:
+        """Undo the last generation step's `n` tokens, which were never sent to anyone.
+
+        Args:
+            n: tokens committed by that step.
+            logits: next-token logits from before the step.
+        """
+        s = self.session
+        s.verifier.rollback(n, logits)
+        del s.history[len(s.history) - n :]
         self.check_invariants()
 
     def check_invariants(self) -> None:

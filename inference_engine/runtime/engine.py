@@ -21,13 +21,40 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
+def _verifier(loaded: LoadedModel, geometry: CacheGeometry) -> SinkWindowVerifier:
+    s = loaded.spec
+    return SinkWindowVerifier(loaded.model, geometry, s.num_kv_heads, s.head_dim, s.num_layers)
+
+
+def check_draft_compatible(target: LoadedModel, draft: LoadedModel) -> None:
+    """A draft model must share the target's vocabulary (same ids for the same tokens).
+
+    Raises:
+        ValueError: the vocabularies differ, with what differs.
+    """
+    if draft.spec.vocab_size != target.spec.vocab_size:
+        raise ValueError(
+            f"draft model {draft.spec.name!r} has vocab size {draft.spec.vocab_size}, the target "
+            f"{target.spec.name!r} has {target.spec.vocab_size}: a draft model must share the tokenizer"
+        )
+    if target.tokenizer is not None and draft.tokenizer is not None:
+        if target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
+            raise ValueError(f"draft model {draft.spec.name!r} uses a different tokenizer vocabulary than the target")
+
+
 class Engine:
     """A loaded model, its probed block size and its compute thread."""
 
-    def __init__(self, loaded: LoadedModel, exact: bool, max_tile: int, plain_block: int, max_rollback: int):
+    def __init__(
+        self, loaded: LoadedModel, exact: bool, max_tile: int, plain_block: int, max_rollback: int,
+        draft: LoadedModel | None = None,
+    ):
         self.loaded = loaded
         self.spec = loaded.spec
         self.max_rollback = max_rollback
+        self.draft = draft
+        if draft is not None:
+            check_draft_compatible(loaded, draft)
         self.probe: ProbeResult | None = probe_tile(loaded.model, max_candidate=max_tile) if exact else None
         if exact and not self.probe.is_exact_possible:
             log.error("tile probe: even single rows are not repeatable on this BLAS; exact mode REFUSED, serving plain")
@@ -40,14 +67,27 @@ class Engine:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx-engine")
         self._closed = False
 
+    @property
+    def has_draft_model(self) -> bool:
+        """A draft model is loaded (SPECULATIVE_DRAFT is servable)."""
+        return self.draft is not None
+
     def geometry(self, sink: int, window: int) -> CacheGeometry:
-        """Cache geometry of a session with this sink/window on this engine."""
-        return CacheGeometry(sink=sink, window=window, max_block=self.block, max_rollback=self.max_rollback)
+        """Cache geometry of a session with this sink/window on this engine.
+
+        Rollback room is max_rollback + 1: a speculative step commits up to K + 1 tokens
+        and a step whose tokens were never sent is retracted whole.
+        """
+        return CacheGeometry(sink=sink, window=window, max_block=self.block, max_rollback=self.max_rollback + 1)
 
     def make_verifier(self, sink: int, window: int) -> SinkWindowVerifier:
         """A fresh verifier (allocates the session's KV slab). Call on the engine thread."""
-        s = self.spec
-        return SinkWindowVerifier(self.loaded.model, self.geometry(sink, window), s.num_kv_heads, s.head_dim, s.num_layers)
+        return _verifier(self.loaded, self.geometry(sink, window))
+
+    def make_draft_verifier(self, sink: int, window: int) -> SinkWindowVerifier:
+        """A fresh cache over the draft model (same geometry). Call on the engine thread."""
+        assert self.draft is not None
+        return _verifier(self.draft, self.geometry(sink, window))
 
     async def run(self, fn: Callable[..., T], *args: object) -> T:
         """Run `fn(*args)` on the engine thread and return its result.

@@ -12,9 +12,9 @@ import logging
 from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Callable
 
-import mlx.core as mx
-
 from inference_engine.config import ServerConfig
+from inference_engine.decoding.drafter import Drafter, ModelDrafter, PromptLookupDrafter
+from inference_engine.decoding.step import StepResult, decode_step
 from inference_engine.errors import InvariantViolation
 from inference_engine.runtime.coordinator import AppendTokensCoordinator
 from inference_engine.runtime.engine import Engine
@@ -24,6 +24,7 @@ from inference_engine.runtime.types import (
     AppendParams,
     AppendResult,
     CreateSessionParams,
+    DecodeMode,
     GenerateChunk,
     GenerateParams,
     SessionCreated,
@@ -37,9 +38,9 @@ Emit = Callable[[GenerateChunk], Awaitable[None]]
 
 @dataclass
 class _DecodeState:
-    """A token sent to the client but not yet fed to the cache (cleared on the engine thread)."""
+    """The last step's result until it is handed to the stream (set on the engine thread)."""
 
-    pending: int | None = None
+    unsent: StepResult | None = None
 
 
 class Runtime:
@@ -103,55 +104,69 @@ class Runtime:
         finally:
             self.store.release(session)
 
-    async def generate(self, p: GenerateParams, emit: Emit) -> None:
-        """Greedy generation; each token is emitted, then joins the history.
+    def _drafter(self, session: Session, mode: DecodeMode) -> Drafter | None:
+        """The session's drafter for `mode` (built on first use; runs on the engine thread)."""
+        if mode is DecodeMode.GREEDY:
+            return None
+        if mode not in session.drafters:
+            if mode is DecodeMode.SPECULATIVE_LOOKUP:
+                session.drafters[mode] = PromptLookupDrafter()
+            else:
+                session.drafters[mode] = ModelDrafter(lambda: self.engine.make_draft_verifier(session.sink, session.window))
+        return session.drafters[mode]
 
-        A token counts as sent once it is handed to `emit`; if the caller is cancelled,
-        the history holds exactly the sent tokens and the session stays consistent.
+    async def generate(self, p: GenerateParams, emit: Emit) -> None:
+        """Greedy or speculative generation; tokens join the history as they are sent.
+
+        Each step commits its tokens, then hands them to `emit`. A step whose tokens were
+        never handed over (the caller was cancelled meanwhile) is retracted, so the
+        history holds exactly the sent tokens and the session stays consistent.
 
         Raises:
-            SessionNotFound, SessionBusy, InvariantViolation (no tokens appended yet).
+            SessionNotFound, SessionBusy, InvariantViolation (no tokens appended yet, or
+            a draft-model mode on a server without a draft model).
         """
         session = self.store.get(p.session_id)
+        if p.mode is DecodeMode.SPECULATIVE_DRAFT and not self.engine.has_draft_model:
+            raise InvariantViolation(
+                "SPECULATIVE_DRAFT needs a draft model and this server has none (start it with --draft-model); "
+                "SPECULATIVE_LOOKUP and GREEDY are available"
+            )
         session.acquire("Generate")
         coord = self._coordinator(session)
         state = _DecodeState()
+        stop_ids = frozenset() if p.ignore_eos else frozenset(session.eos_token_ids)
+        drafted = accepted = produced = 0
         try:
             if not session.history:
                 raise InvariantViolation("the session has no tokens yet: call AppendTokens before Generate")
             stop = StopReason.MAX_TOKENS
-            for _ in range(p.max_new_tokens):
+            while produced < p.max_new_tokens:
                 if session.is_closed or self.is_shutting_down:
                     stop = StopReason.CANCELLED
                     break
-                token = await self.engine.run(self._greedy_step, coord, state)
-                # Sent from the moment it is handed to the transport: a cancel that lands
-                # mid-write may still deliver it, so it must join the history either way.
-                state.pending = token
-                await emit(GenerateChunk((token,)))
-                if not p.ignore_eos and token in session.eos_token_ids:
+                step = await self.engine.run(
+                    self._step, coord, state, p.mode, p.num_draft_tokens, p.max_new_tokens - produced, stop_ids
+                )
+                state.unsent = None  # handed to the transport from here on: it counts as sent
+                await emit(GenerateChunk(step.tokens))
+                produced += len(step.tokens)
+                drafted, accepted = drafted + step.drafted, accepted + step.accepted
+                if stop_ids.intersection(step.tokens):
                     stop = StopReason.EOS
                     break
-            if state.pending is not None:
-                await self.engine.run(self._feed_pending, coord, state)
-            await emit(GenerateChunk((), stop, len(session.history)))
+            await emit(GenerateChunk((), stop, len(session.history), drafted, accepted))
         finally:
-            if state.pending is not None:  # cancelled after a token was sent
-                await self.engine.run(self._feed_pending, coord, state)
+            if state.unsent is not None:  # cancelled before the step's tokens were sent
+                await self.engine.run(coord.retract, len(state.unsent.tokens), state.unsent.prior_logits)
             self.store.release(session)
 
-    @staticmethod
-    def _feed_pending(coord: AppendTokensCoordinator, state: _DecodeState) -> None:
-        if state.pending is not None:
-            coord.append([state.pending])
-            state.pending = None
-
-    @classmethod
-    def _greedy_step(cls, coord: AppendTokensCoordinator, state: _DecodeState) -> int:
-        """Feed the token sent last (if any), then pick the next one greedily."""
-        cls._feed_pending(coord, state)
-        logits = coord.session.verifier.next_token_logits
-        return int(mx.argmax(logits).item())
+    def _step(
+        self, coord: AppendTokensCoordinator, state: _DecodeState, mode: DecodeMode, k: int, remaining: int,
+        stop_ids: frozenset[int],
+    ) -> StepResult:
+        state.unsent = decode_step(coord, self._drafter(coord.session, mode), k, remaining, stop_ids)
+        return state.unsent
 
     async def close_session(self, session_id: str) -> int:
         """Close a session; returns its history length.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from inference_engine.errors import SessionBusy
 from inference_engine.verifier.sink_window_verifier import SinkWindowVerifier
@@ -25,6 +26,7 @@ class Session:
     history: list[int] = field(default_factory=list)  # append-only token history (INV-1)
     is_closed: bool = False  # closed or expired; no new RPCs
     is_busy: bool = False  # an AppendTokens/Generate holds it
+    drafters: dict[Any, Any] = field(default_factory=dict)  # DecodeMode -> Drafter, built on first use
 
     def touch(self) -> None:
         """Record use now (TTL restarts)."""

@@ -14,6 +14,14 @@ class StopReason(enum.Enum):
     CANCELLED = 3  # the session was closed or the server is shutting down
 
 
+class DecodeMode(enum.Enum):
+    """How Generate produces tokens (all token-identical to greedy)."""
+
+    GREEDY = 0  # one target forward per token
+    SPECULATIVE_DRAFT = 1  # a draft model proposes, the target verifies
+    SPECULATIVE_LOOKUP = 2  # n-gram matches in the session's history propose
+
+
 @dataclass(frozen=True)
 class CreateSessionParams:
     """A validated CreateSession request."""
@@ -39,6 +47,8 @@ class GenerateParams:
     session_id: str  # target session
     max_new_tokens: int  # 1..server limit
     ignore_eos: bool  # keep going past EOS tokens
+    mode: DecodeMode = DecodeMode.GREEDY  # decoding strategy
+    num_draft_tokens: int = 4  # K, drafts per step (speculative modes)
 
 
 @dataclass(frozen=True)
@@ -65,6 +75,8 @@ class GenerateChunk:
     tokens: tuple[int, ...]  # new tokens (may be empty on the final chunk)
     stop_reason: StopReason | None = None  # set on the final chunk only
     history_length: int = 0  # final chunk only
+    drafted: int = 0  # final chunk only: draft tokens verified in this call
+    accepted: int = 0  # final chunk only: draft tokens accepted in this call
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,12 @@ def build_engine(cfg: ServerConfig, loaded: LoadedModel | None = None) -> Engine
         path = resolve_model_path(cfg.model, cfg.cache_dir)
         log.info("loading model from %s", path)
         loaded = load_model(path)
-    return Engine(loaded, cfg.exact, cfg.max_tile, cfg.plain_block, cfg.max_rollback)
+    draft = None
+    if cfg.draft_model is not None:
+        path = resolve_model_path(cfg.draft_model, cfg.cache_dir)
+        log.info("loading draft model from %s", path)
+        draft = load_model(path)
+    return Engine(loaded, cfg.exact, cfg.max_tile, cfg.plain_block, cfg.max_rollback, draft=draft)
 
 
 async def start_server(runtime: Runtime, host: str, port: int) -> tuple[grpc.aio.Server, int]:

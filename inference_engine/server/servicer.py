@@ -10,13 +10,14 @@ import grpc
 
 from inference_engine.errors import RuntimeServiceError
 from inference_engine.runtime.runtime import Runtime
-from inference_engine.runtime.types import AppendParams, CreateSessionParams, GenerateChunk, GenerateParams
+from inference_engine.runtime.types import AppendParams, CreateSessionParams, DecodeMode, GenerateChunk, GenerateParams
 from inference_engine.server.status_codes import status_of
 from inference_engine.server.validation import Validator
 from inference_engine.v1 import runtime_pb2 as pb
 from inference_engine.v1 import runtime_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
+DEFAULT_DRAFT_TOKENS = 4
 
 
 def _mapped(method: Callable) -> Callable:
@@ -70,6 +71,9 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
             session_id=self.validate.session_id(request.session_id),
             max_new_tokens=self.validate.value("GenerateRequest.max_new_tokens", request.max_new_tokens),
             ignore_eos=request.ignore_eos,
+            mode=DecodeMode(self.validate.value("GenerateRequest.mode", request.mode)),
+            num_draft_tokens=self.validate.value("GenerateRequest.num_draft_tokens", request.num_draft_tokens)
+            or DEFAULT_DRAFT_TOKENS,
         )
 
         async def emit(chunk: GenerateChunk) -> None:
@@ -78,6 +82,8 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
                     tokens=chunk.tokens,
                     stop_reason=chunk.stop_reason.value if chunk.stop_reason else pb.STOP_REASON_UNSPECIFIED,
                     history_length=chunk.history_length,
+                    drafted_tokens=chunk.drafted,
+                    accepted_tokens=chunk.accepted,
                 )
             )
 

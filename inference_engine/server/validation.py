@@ -28,6 +28,8 @@ def bounds_table(cfg: ServerConfig, vocab_size: int) -> dict[str, Bound]:
         "AppendTokensRequest.tokens[]": Bound(0, vocab_size - 1),
         "AppendTokensRequest.tokens#": Bound(1, cfg.max_tokens_per_request),
         "GenerateRequest.max_new_tokens": Bound(1, cfg.max_new_tokens),
+        "GenerateRequest.num_draft_tokens": Bound(1, cfg.max_rollback, zero_ok=True),
+        "GenerateRequest.mode": Bound(0, 2),
         "*.session_id#": Bound(1, 128),
     }
 

@@ -24,15 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!inference_engine/v1/runtime.proto\x12\x13inference_engine.v1\"o\n\x14\x43reateSessionRequest\x12\x15\n\reos_token_ids\x18\x01 \x03(\r\x12\x14\n\x0c\x63lient_label\x18\x02 \x01(\t\x12\x13\n\x0bsink_tokens\x18\x03 \x01(\r\x12\x15\n\rwindow_tokens\x18\x04 \x01(\r\"W\n\x15\x43reateSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0bsink_tokens\x18\x02 \x01(\r\x12\x15\n\rwindow_tokens\x18\x03 \x01(\r\"9\n\x13\x41ppendTokensRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\r\"L\n\x14\x41ppendTokensResponse\x12\x16\n\x0ehistory_length\x18\x01 \x01(\x04\x12\x1c\n\x14next_global_position\x18\x02 \x01(\x04\"Q\n\x0fGenerateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0emax_new_tokens\x18\x02 \x01(\r\x12\x12\n\nignore_eos\x18\x03 \x01(\x08\"p\n\x10GenerateResponse\x12\x0e\n\x06tokens\x18\x01 \x03(\r\x12\x34\n\x0bstop_reason\x18\x02 \x01(\x0e\x32\x1f.inference_engine.v1.StopReason\x12\x16\n\x0ehistory_length\x18\x03 \x01(\x04\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\".\n\x14\x43loseSessionResponse\x12\x16\n\x0ehistory_length\x18\x01 \x01(\x04\"+\n\x15GetSessionInfoRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\xc3\x02\n\x16GetSessionInfoResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0ehistory_length\x18\x02 \x01(\x04\x12\x1c\n\x14next_global_position\x18\x03 \x01(\x04\x12\x15\n\rcached_tokens\x18\x04 \x01(\x04\x12\x13\n\x0bsink_tokens\x18\x05 \x01(\r\x12\x15\n\rwindow_tokens\x18\x06 \x01(\r\x12\x15\n\reos_token_ids\x18\x07 \x03(\r\x12\x14\n\x0c\x63lient_label\x18\x08 \x01(\t\x12\x1a\n\x12\x63reated_unix_nanos\x18\t \x01(\x03\x12\x1c\n\x14last_used_unix_nanos\x18\n \x01(\x03\x12\x14\n\x0cstate_digest\x18\x0b \x01(\t\x12\r\n\x05\x65xact\x18\x0c \x01(\x08\x12\x10\n\x08kv_bytes\x18\r \x01(\x04*u\n\nStopReason\x12\x1b\n\x17STOP_REASON_UNSPECIFIED\x10\x00\x12\x1a\n\x16STOP_REASON_MAX_TOKENS\x10\x01\x12\x13\n\x0fSTOP_REASON_EOS\x10\x02\x12\x19\n\x15STOP_REASON_CANCELLED\x10\x03\x32\x88\x04\n\x0eRuntimeService\x12\x66\n\rCreateSession\x12).inference_engine.v1.CreateSessionRequest\x1a*.inference_engine.v1.CreateSessionResponse\x12\x63\n\x0c\x41ppendTokens\x12(.inference_engine.v1.AppendTokensRequest\x1a).inference_engine.v1.AppendTokensResponse\x12Y\n\x08Generate\x12$.inference_engine.v1.GenerateRequest\x1a%.inference_engine.v1.GenerateResponse0\x01\x12\x63\n\x0c\x43loseSession\x12(.inference_engine.v1.CloseSessionRequest\x1a).inference_engine.v1.CloseSessionResponse\x12i\n\x0eGetSessionInfo\x12*.inference_engine.v1.GetSessionInfoRequest\x1a+.inference_engine.v1.GetSessionInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!inference_engine/v1/runtime.proto\x12\x13inference_engine.v1\"o\n\x14\x43reateSessionRequest\x12\x15\n\reos_token_ids\x18\x01 \x03(\r\x12\x14\n\x0c\x63lient_label\x18\x02 \x01(\t\x12\x13\n\x0bsink_tokens\x18\x03 \x01(\r\x12\x15\n\rwindow_tokens\x18\x04 \x01(\r\"W\n\x15\x43reateSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0bsink_tokens\x18\x02 \x01(\r\x12\x15\n\rwindow_tokens\x18\x03 \x01(\r\"9\n\x13\x41ppendTokensRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\r\"L\n\x14\x41ppendTokensResponse\x12\x16\n\x0ehistory_length\x18\x01 \x01(\x04\x12\x1c\n\x14next_global_position\x18\x02 \x01(\x04\"\x9a\x01\n\x0fGenerateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0emax_new_tokens\x18\x02 \x01(\r\x12\x12\n\nignore_eos\x18\x03 \x01(\x08\x12-\n\x04mode\x18\x04 \x01(\x0e\x32\x1f.inference_engine.v1.DecodeMode\x12\x18\n\x10num_draft_tokens\x18\x05 \x01(\r\"\xa1\x01\n\x10GenerateResponse\x12\x0e\n\x06tokens\x18\x01 \x03(\r\x12\x34\n\x0bstop_reason\x18\x02 \x01(\x0e\x32\x1f.inference_engine.v1.StopReason\x12\x16\n\x0ehistory_length\x18\x03 \x01(\x04\x12\x16\n\x0e\x64rafted_tokens\x18\x04 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x05 \x01(\r\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\".\n\x14\x43loseSessionResponse\x12\x16\n\x0ehistory_length\x18\x01 \x01(\x04\"+\n\x15GetSessionInfoRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\xc3\x02\n\x16GetSessionInfoResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0ehistory_length\x18\x02 \x01(\x04\x12\x1c\n\x14next_global_position\x18\x03 \x01(\x04\x12\x15\n\rcached_tokens\x18\x04 \x01(\x04\x12\x13\n\x0bsink_tokens\x18\x05 \x01(\r\x12\x15\n\rwindow_tokens\x18\x06 \x01(\r\x12\x15\n\reos_token_ids\x18\x07 \x03(\r\x12\x14\n\x0c\x63lient_label\x18\x08 \x01(\t\x12\x1a\n\x12\x63reated_unix_nanos\x18\t \x01(\x03\x12\x1c\n\x14last_used_unix_nanos\x18\n \x01(\x03\x12\x14\n\x0cstate_digest\x18\x0b \x01(\t\x12\r\n\x05\x65xact\x18\x0c \x01(\x08\x12\x10\n\x08kv_bytes\x18\r \x01(\x04*u\n\nStopReason\x12\x1b\n\x17STOP_REASON_UNSPECIFIED\x10\x00\x12\x1a\n\x16STOP_REASON_MAX_TOKENS\x10\x01\x12\x13\n\x0fSTOP_REASON_EOS\x10\x02\x12\x19\n\x15STOP_REASON_CANCELLED\x10\x03*k\n\nDecodeMode\x12\x16\n\x12\x44\x45\x43ODE_MODE_GREEDY\x10\x00\x12!\n\x1d\x44\x45\x43ODE_MODE_SPECULATIVE_DRAFT\x10\x01\x12\"\n\x1e\x44\x45\x43ODE_MODE_SPECULATIVE_LOOKUP\x10\x02\x32\x88\x04\n\x0eRuntimeService\x12\x66\n\rCreateSession\x12).inference_engine.v1.CreateSessionRequest\x1a*.inference_engine.v1.CreateSessionResponse\x12\x63\n\x0c\x41ppendTokens\x12(.inference_engine.v1.AppendTokensRequest\x1a).inference_engine.v1.AppendTokensResponse\x12Y\n\x08Generate\x12$.inference_engine.v1.GenerateRequest\x1a%.inference_engine.v1.GenerateResponse0\x01\x12\x63\n\x0c\x43loseSession\x12(.inference_engine.v1.CloseSessionRequest\x1a).inference_engine.v1.CloseSessionResponse\x12i\n\x0eGetSessionInfo\x12*.inference_engine.v1.GetSessionInfoRequest\x1a+.inference_engine.v1.GetSessionInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'inference_engine.v1.runtime_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_STOPREASON']._serialized_start=1056
-  _globals['_STOPREASON']._serialized_end=1173
+  _globals['_STOPREASON']._serialized_start=1180
+  _globals['_STOPREASON']._serialized_end=1297
+  _globals['_DECODEMODE']._serialized_start=1299
+  _globals['_DECODEMODE']._serialized_end=1406
   _globals['_CREATESESSIONREQUEST']._serialized_start=58
   _globals['_CREATESESSIONREQUEST']._serialized_end=169
   _globals['_CREATESESSIONRESPONSE']._serialized_start=171
@@ -41,18 +43,18 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_APPENDTOKENSREQUEST']._serialized_end=317
   _globals['_APPENDTOKENSRESPONSE']._serialized_start=319
   _globals['_APPENDTOKENSRESPONSE']._serialized_end=395
-  _globals['_GENERATEREQUEST']._serialized_start=397
-  _globals['_GENERATEREQUEST']._serialized_end=478
-  _globals['_GENERATERESPONSE']._serialized_start=480
-  _globals['_GENERATERESPONSE']._serialized_end=592
-  _globals['_CLOSESESSIONREQUEST']._serialized_start=594
-  _globals['_CLOSESESSIONREQUEST']._serialized_end=635
-  _globals['_CLOSESESSIONRESPONSE']._serialized_start=637
-  _globals['_CLOSESESSIONRESPONSE']._serialized_end=683
-  _globals['_GETSESSIONINFOREQUEST']._serialized_start=685
-  _globals['_GETSESSIONINFOREQUEST']._serialized_end=728
-  _globals['_GETSESSIONINFORESPONSE']._serialized_start=731
-  _globals['_GETSESSIONINFORESPONSE']._serialized_end=1054
-  _globals['_RUNTIMESERVICE']._serialized_start=1176
-  _globals['_RUNTIMESERVICE']._serialized_end=1696
+  _globals['_GENERATEREQUEST']._serialized_start=398
+  _globals['_GENERATEREQUEST']._serialized_end=552
+  _globals['_GENERATERESPONSE']._serialized_start=555
+  _globals['_GENERATERESPONSE']._serialized_end=716
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=718
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=759
+  _globals['_CLOSESESSIONRESPONSE']._serialized_start=761
+  _globals['_CLOSESESSIONRESPONSE']._serialized_end=807
+  _globals['_GETSESSIONINFOREQUEST']._serialized_start=809
+  _globals['_GETSESSIONINFOREQUEST']._serialized_end=852
+  _globals['_GETSESSIONINFORESPONSE']._serialized_start=855
+  _globals['_GETSESSIONINFORESPONSE']._serialized_end=1178
+  _globals['_RUNTIMESERVICE']._serialized_start=1409
+  _globals['_RUNTIMESERVICE']._serialized_end=1929
 # @@protoc_insertion_point(module_scope)

@@ -13,10 +13,19 @@ class StopReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STOP_REASON_MAX_TOKENS: _ClassVar[StopReason]
     STOP_REASON_EOS: _ClassVar[StopReason]
     STOP_REASON_CANCELLED: _ClassVar[StopReason]
+
+class DecodeMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DECODE_MODE_GREEDY: _ClassVar[DecodeMode]
+    DECODE_MODE_SPECULATIVE_DRAFT: _ClassVar[DecodeMode]
+    DECODE_MODE_SPECULATIVE_LOOKUP: _ClassVar[DecodeMode]
 STOP_REASON_UNSPECIFIED: StopReason
 STOP_REASON_MAX_TOKENS: StopReason
 STOP_REASON_EOS: StopReason
 STOP_REASON_CANCELLED: StopReason
+DECODE_MODE_GREEDY: DecodeMode
+DECODE_MODE_SPECULATIVE_DRAFT: DecodeMode
+DECODE_MODE_SPECULATIVE_LOOKUP: DecodeMode
 
 class CreateSessionRequest(_message.Message):
     __slots__ = ("eos_token_ids", "client_label", "sink_tokens", "window_tokens")
@@ -57,24 +66,32 @@ class AppendTokensResponse(_message.Message):
     def __init__(self, history_length: _Optional[int] = ..., next_global_position: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("session_id", "max_new_tokens", "ignore_eos")
+    __slots__ = ("session_id", "max_new_tokens", "ignore_eos", "mode", "num_draft_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     max_new_tokens: int
     ignore_eos: bool
-    def __init__(self, session_id: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+    mode: DecodeMode
+    num_draft_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., mode: _Optional[_Union[DecodeMode, str]] = ..., num_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("tokens", "stop_reason", "history_length")
+    __slots__ = ("tokens", "stop_reason", "history_length", "drafted_tokens", "accepted_tokens")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_REASON_FIELD_NUMBER: _ClassVar[int]
     HISTORY_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     stop_reason: StopReason
     history_length: int
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., stop_reason: _Optional[_Union[StopReason, str]] = ..., history_length: _Optional[int] = ...) -> None: ...
+    drafted_tokens: int
+    accepted_tokens: int
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., stop_reason: _Optional[_Union[StopReason, str]] = ..., history_length: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("session_id",)

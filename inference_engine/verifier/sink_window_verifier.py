@@ -108,6 +108,27 @@ class SinkWindowVerifier:
             # With last-row-only logits the block was fully accepted (prefill/append).
             self._logits = logits[accepted - 1] if logits.shape[0] == forwarded else logits[-1]
 
+    def rollback(self, n: int, logits: mx.array | None = None) -> None:
+        """Drop the last `n` committed tokens (at most `max_rollback`).
+
+        Args:
+            n: tokens to drop.
+            logits: the next-token logits after the remaining tokens, if the caller kept
+                them; otherwise `next_token_logits` is None until a token is fed.
+        Raises:
+            InvariantViolation: a block is pending or n is out of range.
+        """
+        if self._pending is not None:
+            raise InvariantViolation("rollback while a block awaits commit_or_truncate")
+        if n < 0 or n > min(self.geometry.max_rollback, self.next_global_position):
+            raise InvariantViolation(f"cannot roll back {n} tokens (allowed 0..{self.geometry.max_rollback})")
+        for c in self.cache:
+            c.trim(n)
+        for i in range(n):
+            p = self.cache[0].offset + n - 1 - i  # position being removed (descending)
+            (self._sink_tokens if p < self.geometry.sink else self._recent).pop()
+        self._logits = logits
+
     def state_digest(self) -> str:
         """Hex SHA-256 over next-token logits, cached tokens, position and cached K/V."""
         h = hashlib.sha256()

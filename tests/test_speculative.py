@@ -1,0 +1,118 @@
+"""Speculative decoding: drafters, the decode step, and the session gates through the server."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+
+from inference_engine.decoding.drafter import ModelDrafter, PromptLookupDrafter
+from inference_engine.model.loader import random_model
+from inference_engine.runtime.engine import Engine, check_draft_compatible
+from inference_engine.v1 import runtime_pb2 as pb
+from tests.conftest import running_server
+
+_spec = importlib.util.spec_from_file_location("spec_gate", Path(__file__).parents[1] / "scripts" / "spec_session_gate.py")
+spec_gate = importlib.util.module_from_spec(_spec)
+sys.modules["spec_gate"] = spec_gate
+_spec.loader.exec_module(spec_gate)
+
+PROMPT = [5, 17, 33, 2, 250, 9, 9, 120, 64, 3, 5, 17, 33, 2, 250, 9]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny):
+    # The draft is a differently seeded random model: low acceptance exercises rollback.
+    return Engine(tiny, exact=True, max_tile=16, plain_block=64, max_rollback=8, draft=random_model(seed=1))
+
+
+def test_prompt_lookup_proposals():
+    d = PromptLookupDrafter(max_ngram=3)
+    assert d.propose([1, 2, 3, 4, 5, 1, 2, 3], 3) == [4, 5, 1]
+    assert d.propose([1, 2, 3, 9, 2, 3], 2) == [9, 2]  # 2-gram match
+    assert d.propose([7, 8, 9], 4) == []  # no match
+    assert d.propose([4, 4], 4) == [4]  # only what exists after the match
+    assert d.propose([1, 2, 1, 3, 1, 2], 2) == [1, 3]  # longest n-gram, most recent match
+
+
+def test_model_drafter_follows_context_lazily(engine):
+    d = ModelDrafter(lambda: engine.make_draft_verifier(2, 8))
+    ctx = PROMPT[:10]
+    a = d.propose(ctx, 4)
+    assert len(a) == 4 and d._fed == ctx + a[:3]
+    # Divergent continuation: the drafter rolls back its own drafts and catches up.
+    b = d.propose(ctx + [a[0], 99, 98], 3)
+    fresh = ModelDrafter(lambda: engine.make_draft_verifier(2, 8))
+    assert b == fresh.propose(ctx + [a[0], 99, 98], 3)
+    # Context equal to what was fed: it re-derives logits for the last token.
+    same = list(d._fed)
+    assert d.propose(same, 2) == fresh.propose(same, 2)
+    # Far apart (beyond the rollback room): rebuilt from scratch.
+    other = [int(t) % 256 for t in range(40, 80)]
+    assert d.propose(other, 2) == ModelDrafter(lambda: engine.make_draft_verifier(2, 8)).propose(other, 2)
+
+
+def test_draft_vocab_mismatch_refused(tiny):
+    with pytest.raises(ValueError, match="vocab size 300"):
+        check_draft_compatible(tiny, random_model(seed=2, vocab_size=300))
+
+
+@pytest.mark.parametrize("drafter", ["lookup", "draft"])
+async def test_session_gates_tiny(engine, drafter):
+    async with running_server(engine) as (stub, runtime):
+        report = await spec_gate.run_gates(stub, pb, runtime, PROMPT, [drafter], [1, 4, 8], 24, 3, 8)
+    assert report.failures == 0, "\n".join(report.lines)
+    assert sum(line.startswith("ok: gate") for line in report.lines) == (3 * 3 + 1) + 2 * (5 * 3 + 1)  # widths per K
+
+
+async def test_speculative_counts_and_eos(engine):
+    async with running_server(engine) as (stub, _):
+        sid = (await stub.CreateSession(pb.CreateSessionRequest())).session_id
+        await stub.AppendTokens(pb.AppendTokensRequest(session_id=sid, tokens=PROMPT))
+        greedy = []
+        async for m in stub.Generate(pb.GenerateRequest(session_id=sid, max_new_tokens=30, ignore_eos=True)):
+            greedy += list(m.tokens)
+        eos = greedy[12]
+        sid = (await stub.CreateSession(pb.CreateSessionRequest(eos_token_ids=[eos]))).session_id
+        await stub.AppendTokens(pb.AppendTokensRequest(session_id=sid, tokens=PROMPT))
+        got, last = [], None
+        req = pb.GenerateRequest(session_id=sid, max_new_tokens=30, mode=pb.DECODE_MODE_SPECULATIVE_LOOKUP, num_draft_tokens=8)
+        async for m in stub.Generate(req):
+            got += list(m.tokens)
+            last = m
+        assert got == greedy[: greedy.index(eos) + 1] and last.stop_reason == pb.STOP_REASON_EOS
+        assert last.drafted_tokens > 0 and last.drafted_tokens >= last.accepted_tokens
+
+
+async def test_draft_mode_without_draft_model_is_failed_precondition(tiny):
+    plain = Engine(tiny, exact=True, max_tile=16, plain_block=64, max_rollback=8)
+    async with running_server(plain) as (stub, _):
+        sid = (await stub.CreateSession(pb.CreateSessionRequest())).session_id
+        await stub.AppendTokens(pb.AppendTokensRequest(session_id=sid, tokens=PROMPT))
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in stub.Generate(pb.GenerateRequest(session_id=sid, max_new_tokens=4, mode=pb.DECODE_MODE_SPECULATIVE_DRAFT)):
+                pass
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "--draft-model" in err.value.details()
+        for bad in (dict(num_draft_tokens=9), dict(mode=7)):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in stub.Generate(pb.GenerateRequest(session_id=sid, max_new_tokens=4, **bad)):
+                    pass
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("drafter", ["lookup", "draft"])
+async def test_session_gates_real_model(real_model, real_model_path, drafter):
+    """The gate battery on the packaged model (K=4, window wraps), both drafters."""
+    from inference_engine.model.loader import load_model
+
+    draft = load_model(real_model_path.parent / "q4")
+    engine = Engine(real_model, exact=True, max_tile=16, plain_block=64, max_rollback=8, draft=draft)
+    tok = real_model.tokenizer
+    text = tok.apply_chat_template([{"role": "user", "content": spec_gate.PROMPT_TEXT}], add_generation_prompt=True, tokenize=False)
+    prompt = tok.encode(text, add_special_tokens=False)
+    async with running_server(engine) as (stub, runtime):
+        report = await spec_gate.run_gates(stub, pb, runtime, prompt, [drafter], [4], 16, 4, 32)
+    assert report.failures == 0, "\n".join(report.lines)
+    engine.close()
