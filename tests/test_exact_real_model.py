@@ -89,3 +89,20 @@ def test_negative_control_plain_path_mismatches(real_model, tokens):
     plain = Engine(real_model, exact=False, max_tile=16, plain_block=64, max_rollback=8)
     digests = {name: feed(plain, tokens, CHUNKINGS[name], SINK, WINDOW).state_digest() for name in ("1xN", "random0", "4 uneven")}
     assert len(set(digests.values())) > 1, digests
+
+
+LONG = 300
+LONG_PLANS = {"random0": chunkings(LONG)["random0"], "4 uneven": chunkings(LONG)["4 uneven"], "tile edges": [127, 2, 126, 3, 42]}
+
+
+@pytest.fixture(scope="module")
+def long_case(real_engine, real_model):
+    tokens = np.random.default_rng(11).integers(0, real_model.spec.vocab_size, LONG).tolist()
+    return tokens, feed(real_engine, tokens, [LONG], SINK, 200).state_digest()
+
+
+@pytest.mark.parametrize("name", sorted(LONG_PLANS))
+def test_chunking_invariance_long_window(real_engine, long_case, name):
+    """Window 200 over 300 tokens: key prefixes of 128, 256 and all slots are exercised."""
+    tokens, ref = long_case
+    assert feed(real_engine, tokens, LONG_PLANS[name], SINK, 200).state_digest() == ref

@@ -94,3 +94,12 @@ def test_plain_mode_is_not_exact(tiny):
     assert not plain.is_exact and plain.probe is None
     digests = {feed(plain, TOKENS, sizes, SINK, WINDOW).state_digest() for sizes in chunkings(len(TOKENS)).values()}
     assert len(digests) > 1
+
+
+@pytest.mark.parametrize("name,sizes", list(chunkings(400, seeds=range(2)).items()))
+def test_chunking_invariance_across_key_extent_buckets(engine, name, sizes):
+    """Window 300: rows read key prefixes of 128/256/all slots by position; still exact."""
+    tokens = np.random.default_rng(5).integers(0, 256, 400).tolist()
+    ref = feed(engine, tokens, [400], 2, 300)
+    v = feed(engine, tokens, sizes, 2, 300)
+    assert v.state_digest() == ref.state_digest()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from inference_engine.verifier.kv_cache import SinkWindowKVCache
+from inference_engine.verifier.kv_cache import CacheGeometry, SinkWindowKVCache
 
 
 def _attention(layer: nn.Module, x: mx.array, cache: SinkWindowKVCache) -> mx.array:
@@ -30,16 +30,33 @@ def _attention(layer: nn.Module, x: mx.array, cache: SinkWindowKVCache) -> mx.ar
     v = layer.v_proj(x).reshape(1, length, n_kv, -1).transpose(0, 2, 1, 3)  # (1, n_kv, L, D)
     q = layer.rope(q, offset=cache.offset)
     k = layer.rope(k, offset=cache.offset)
+    start = cache.offset
     keys, values, mask = cache.update_and_fetch(k[0], v[0])  # (n_kv, S, D) x2, (L, 1, 1, S)
     head_dim = q.shape[-1]
     q = (q[0] * layer.scale).transpose(1, 0, 2).reshape(length, n_kv, n_heads // n_kv, head_dim)  # (L, n_kv, rep, D)
-    # Broadcast over rows: one small matmul per (row, kv head), so a row's bits never
-    # depend on how many rows share the block.
-    scores = q @ keys.transpose(0, 2, 1)[None]  # (L, n_kv, rep, S)
-    scores = mx.where(mask, scores, mx.array(-mx.inf, dtype=scores.dtype))
-    probs = mx.softmax(scores, axis=-1, precise=True)
-    out = probs @ values[None]  # (L, n_kv, rep, D)
+    outs = []
+    for lo, hi, extent in _row_groups(cache.geometry, start, length):
+        # Broadcast over rows: one small matmul per (row, kv head) over a key prefix that
+        # depends on the row's position only, so a row's bits never depend on the block.
+        ks, vs = keys[:, :extent, :], values[:, :extent, :]  # (n_kv, E, D)
+        scores = q[lo:hi] @ ks.transpose(0, 2, 1)[None]  # (l, n_kv, rep, E)
+        scores = mx.where(mask[lo:hi, ..., :extent], scores, mx.array(-mx.inf, dtype=scores.dtype))
+        probs = mx.softmax(scores, axis=-1, precise=True)
+        outs.append(probs @ vs[None])  # (l, n_kv, rep, D)
+    out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
     return layer.o_proj(out.reshape(1, length, n_heads * head_dim))
+
+
+def _row_groups(geometry: CacheGeometry, start: int, length: int) -> list[tuple[int, int, int]]:
+    """Consecutive rows sharing a key extent: [(row_lo, row_hi, extent), ...]."""
+    groups: list[tuple[int, int, int]] = []
+    for i in range(length):
+        extent = geometry.key_extent(start + i)
+        if groups and groups[-1][2] == extent:
+            groups[-1] = (groups[-1][0], i + 1, extent)
+        else:
+            groups.append((i, i + 1, extent))
+    return groups
 
 
 def _block(layer: nn.Module, h: mx.array, cache: SinkWindowKVCache) -> mx.array:

@@ -12,6 +12,7 @@ however the tokens were chunked (masked slots contribute exact zeros).
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -37,6 +38,16 @@ class CacheGeometry:
     def slots(self) -> int:
         """Total storage slots per layer."""
         return self.sink + self.ring
+
+    def key_extent(self, p: int, bucket: int = 128) -> int:
+        """Storage slots a query at p reads: a prefix that depends on p only.
+
+        Until the ring wraps, slot == position, so slots past p are all masked and are
+        skipped in buckets of `bucket`; once it wraps, every slot is read.
+        """
+        if p >= self.slots:
+            return self.slots
+        return min(self.slots, (p // bucket + 1) * bucket)
 
     def slot_of(self, positions: np.ndarray) -> np.ndarray:
         """Storage slot of each global position."""
@@ -83,6 +94,7 @@ class SinkWindowKVCache:
             values: (n_kv, L, D) values of the new rows.
         Returns:
             keys (n_kv, slots, D), values (n_kv, slots, D), mask (L, 1, 1, slots) bool.
+            Row i only needs the first `geometry.key_extent(start + i)` slots.
         """
         g = self.geometry
         length = keys.shape[1]
@@ -110,6 +122,11 @@ class SinkWindowKVCache:
         pos = np.array(self.retained_positions(), dtype=np.int64)
         idx = mx.array(self.geometry.slot_of(pos).astype(np.int32))
         return self.keys[:, idx, :], self.values[:, idx, :]
+
+    def digest(self) -> bytes:
+        """SHA-256 of the canonical K then V bytes (per layer, so shards can report theirs)."""
+        k, v = self.canonical_state()
+        return hashlib.sha256(np.array(k).tobytes() + np.array(v).tobytes()).digest()
 
     @property
     def nbytes(self) -> int:

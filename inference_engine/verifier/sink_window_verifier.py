@@ -20,6 +20,18 @@ from inference_engine.model.forward import forward
 from inference_engine.verifier.kv_cache import CacheGeometry, SinkWindowKVCache
 
 
+def state_digest(logits: mx.array | None, cached_tokens: list[int], position: int, layer_digests: list[bytes]) -> str:
+    """The exactness digest a client can compare (see GetSessionInfo.state_digest)."""
+    h = hashlib.sha256()
+    if logits is not None:
+        h.update(np.array(logits).tobytes())
+    h.update(np.array(cached_tokens, dtype=np.int64).tobytes())
+    h.update(np.int64(position).tobytes())
+    for d in layer_digests:
+        h.update(d)
+    return h.hexdigest()
+
+
 class SinkWindowVerifier:
     """Per-session cache + next-token logits over a shared model."""
 
@@ -130,17 +142,13 @@ class SinkWindowVerifier:
         self._logits = logits
 
     def state_digest(self) -> str:
-        """Hex SHA-256 over next-token logits, cached tokens, position and cached K/V."""
-        h = hashlib.sha256()
-        if self._logits is not None:
-            h.update(np.array(self._logits).tobytes())
-        h.update(np.array(self.cached_token_sequence, dtype=np.int64).tobytes())
-        h.update(np.int64(self.next_global_position).tobytes())
-        for c in self.cache:
-            k, v = c.canonical_state()
-            h.update(np.array(k).tobytes())
-            h.update(np.array(v).tobytes())
-        return h.hexdigest()
+        """Hex SHA-256 over next-token logits, cached tokens, position and cached K/V.
+
+        K/V enter as one SHA-256 per layer (in layer order), so a layer split across shard
+        workers yields the same digest as one process.
+        """
+        return state_digest(self._logits, self.cached_token_sequence, self.next_global_position,
+                            [c.digest() for c in self.cache])
 
     @property
     def nbytes(self) -> int:
