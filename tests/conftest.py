@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from pathlib import Path
-from typing import AsyncIterator
+from typing import AsyncIterator, Iterator
 
 import grpc
 import pytest
@@ -38,9 +38,11 @@ def real_model(real_model_path: Path) -> LoadedModel:
 
 
 @pytest.fixture(scope="session")
-def real_engine(real_model: LoadedModel) -> Engine:
+def real_engine(real_model: LoadedModel) -> Iterator[Engine]:
     """Exact engine over the real model (shared: probing costs ~0.5 s)."""
-    return Engine(real_model, exact=True, max_tile=16, plain_block=64, max_rollback=8)
+    e = Engine(real_model, exact=True, max_tile=16, plain_block=64, max_rollback=8)
+    yield e
+    e.close()
 
 
 def make_config(**overrides: object) -> ServerConfig:

@@ -17,7 +17,9 @@ from inference_engine.verifier import tile_probe
 
 @pytest.fixture(scope="module")
 def engine(tiny):
-    return Engine(tiny, exact=True, max_tile=16, plain_block=64, max_rollback=4)
+    e = Engine(tiny, exact=True, max_tile=16, plain_block=64, max_rollback=4)
+    yield e
+    e.close()
 
 
 def _session(engine) -> Session:

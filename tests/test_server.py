@@ -14,7 +14,9 @@ PROMPT = [5, 17, 33, 2, 250, 9, 9, 120, 64, 3]
 
 @pytest.fixture(scope="module")
 def engine(tiny):
-    return Engine(tiny, exact=True, max_tile=16, plain_block=64, max_rollback=8)
+    e = Engine(tiny, exact=True, max_tile=16, plain_block=64, max_rollback=8)
+    yield e
+    e.close()
 
 
 async def _create(stub, **kw):

@@ -24,7 +24,9 @@ PROMPT = [5, 17, 33, 2, 250, 9, 9, 120, 64, 3, 5, 17, 33, 2, 250, 9]
 @pytest.fixture(scope="module")
 def engine(tiny):
     # The draft is a differently seeded random model: low acceptance exercises rollback.
-    return Engine(tiny, exact=True, max_tile=16, plain_block=64, max_rollback=8, draft=random_model(seed=1))
+    e = Engine(tiny, exact=True, max_tile=16, plain_block=64, max_rollback=8, draft=random_model(seed=1))
+    yield e
+    e.close()
 
 
 def test_prompt_lookup_proposals():

@@ -14,7 +14,9 @@ TOKENS = np.random.default_rng(1).integers(0, 256, 3 * (SINK + WINDOW) + 5).toli
 
 @pytest.fixture(scope="module")
 def engine(tiny):
-    return Engine(tiny, exact=True, max_tile=16, plain_block=64, max_rollback=4)
+    e = Engine(tiny, exact=True, max_tile=16, plain_block=64, max_rollback=4)
+    yield e
+    e.close()
 
 
 def test_probe_picked_a_tile(engine):
