@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from inference_engine.model.packaged import DEFAULT_MODEL, DRAFT_MODEL
@@ -24,7 +24,7 @@ class ServerConfig:
     port: int = 50051  # 0 picks a free port
     model: str = DEFAULT_MODEL  # packaged model name or mlx-lm folder
     draft_model: str | None = DRAFT_MODEL  # draft model for SPECULATIVE_DRAFT; None = no draft model
-    cache_dir: Path = Path("~/.cache/inference_engine")  # converted-model cache
+    cache_dir: Path = field(default_factory=default_cache_dir)  # converted-model cache
     max_sessions: int = 8  # KV slabs in the pool
     default_sink: int = 4  # sink tokens when a session asks for 0
     default_window: int = 1024  # window tokens when a session asks for 0
