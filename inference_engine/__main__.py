@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import sys
 
 from inference_engine.blas import reexec_with_openblas
+from inference_engine.process_exit import exit_now
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,28 +48,6 @@ def main(argv: list[str] | None = None) -> int:
         exit_now(2)
     exit_now(0)
     return 0  # pragma: no cover - exit_now does not return
-
-
-def exit_now(status: int) -> None:
-    """Flush everything and leave without running C++ static destructors.
-
-    MLX used from a worker thread can abort at interpreter exit ("terminate called
-    without an active exception", ml-explore/mlx#3126); the server has already drained
-    and released everything, so skipping those destructors loses nothing.
-    """
-    logging.shutdown()
-    try:
-        import coverage
-
-        cov = coverage.Coverage.current()
-        if cov is not None:
-            cov.stop()  # lines after this run but cannot be measured
-            cov.save()  # pragma: no cover
-    except ImportError:  # pragma: no cover - coverage is a test-only dependency
-        pass  # pragma: no cover
-    sys.stdout.flush()  # pragma: no cover
-    sys.stderr.flush()  # pragma: no cover
-    os._exit(status)  # pragma: no cover
 
 
 if __name__ == "__main__":
