@@ -154,7 +154,10 @@ def main() -> int:
     parser.add_argument("--window", type=int, default=32)
     args = parser.parse_args()
     reexec_with_openblas([str(Path(__file__).resolve()), *sys.argv[1:]])
-    return asyncio.run(_main(args))
+    from inference_engine.process_exit import exit_now
+
+    exit_now(asyncio.run(_main(args)))  # MLX ran on an engine thread: leave without C++ teardown
+    return 0
 
 
 if __name__ == "__main__":
