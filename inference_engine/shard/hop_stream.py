@@ -1,0 +1,172 @@
+"""Client side of one worker's Session stream (one hop of a route, one route session).
+
+One request is in flight at a time: `request` writes a frame and reads until the answer
+for that step, applying FlowControl grants on the way and resending after a retryable
+FLOW_CONTROL_VIOLATION. Failures raise the shard error hierarchy, naming the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import grpc
+
+from inference_engine.errors import RuntimeServiceError
+from inference_engine.shard.errors import (
+    DeadlineExpired,
+    FlowControlViolation,
+    MalformedShardOutput,
+    ShardErrorCode,
+    ShardUnavailable,
+    error_for,
+)
+from inference_engine.shard.status_codes import error_of_rpc, error_of_status
+from inference_engine.shard.types import ShardCapabilities
+from inference_engine.shard.wire import open_frame
+from inference_engine.v1 import shard_runtime_pb2 as pb
+from inference_engine.v1 import shard_runtime_pb2_grpc as pb_grpc
+from inference_engine.verifier.kv_cache import CacheGeometry
+
+FLOW_RETRIES = 6  # resends of one frame after FLOW_CONTROL_VIOLATION
+FLOW_BACKOFF_S = 0.01  # first wait before a resend (doubles each time)
+_STREAM_END = object()  # queued by the pump after the stream's last frame
+
+
+class HopStream:
+    """One worker's stream for one route session."""
+
+    def __init__(self, stub: pb_grpc.ShardRuntimeStub, address: str, caps: ShardCapabilities, timeout_s: float):
+        self.stub = stub
+        self.address = address
+        self.caps = caps
+        self.timeout_s = timeout_s
+        self.credits = 0  # work frames the worker will accept now, as last granted
+        self._call: grpc.aio.StreamStreamCall | None = None
+        self._frames: asyncio.Queue = asyncio.Queue()  # answers as read, then the stream's end
+        self._pump_task: asyncio.Task | None = None
+        self._end: RuntimeServiceError = ShardUnavailable(f"{self.where} ended the session stream")  # why it ended
+
+    @property
+    def where(self) -> str:
+        """'shard worker HOST:PORT (layers A:B)' for messages."""
+        return f"shard worker {self.address} (layers {self.caps.layers})"
+
+    async def open(self, route_session_id: str, epoch: int, geometry: CacheGeometry, timeout_s: float) -> None:
+        """Start the stream with SessionOpen and check the SessionAccepted answer (within `timeout_s`).
+
+        Raises:
+            The mapped shard error when the worker refuses; MalformedShardOutput when the
+            acceptance does not match the request.
+        """
+        self._call = self.stub.Session()
+        self._pump_task = asyncio.create_task(self._pump())
+        await self._write(open_frame(route_session_id, epoch, geometry))
+        frame = await self._read(timeout_s)
+        if frame.HasField("error"):
+            raise self._error(frame.error)
+        a = frame.accepted
+        got = (a.route_session_id, a.route_epoch, a.layer_start, a.layer_end)
+        if not frame.HasField("accepted") or a.credits < 1 or \
+                got != (route_session_id, epoch, self.caps.layers.start, self.caps.layers.end):
+            raise MalformedShardOutput(f"{self.where} answered SessionOpen with {frame}")
+        self.credits = a.credits
+
+    async def request(self, frame: pb.ShardRequestFrame, step: int) -> pb.ShardStepResult:
+        """Send a work frame and return its result (resending after flow-control refusals).
+
+        Raises:
+            The mapped shard error for an error answer; MalformedShardOutput for an answer
+            that is not this step's; DeadlineExpired when no answer comes in time;
+            ShardUnavailable when the worker or the stream is gone.
+        """
+        for attempt in range(FLOW_RETRIES + 1):
+            await self._write(frame)
+            self.credits -= 1
+            answer = await self._answer(step)
+            if isinstance(answer, pb.ShardStepResult):
+                return answer
+            self.credits += 1  # the refused frame took no credit
+            if attempt < FLOW_RETRIES:
+                await asyncio.sleep(FLOW_BACKOFF_S * 2**attempt)
+        raise FlowControlViolation(f"{self.where} refused step {step} {FLOW_RETRIES + 1} times for lack of credit")
+
+    async def _answer(self, step: int) -> pb.ShardStepResult | None:
+        """Read until the answer for `step`: its result, or None for a flow-control refusal."""
+        while True:
+            frame = await self._read()
+            if frame.HasField("flow"):
+                self.credits += frame.flow.credits_granted
+            kind = frame.WhichOneof("frame")
+            if kind == "result":
+                if frame.result.idempotency_step != step:
+                    raise MalformedShardOutput(f"{self.where} answered step {frame.result.idempotency_step} "
+                                               f"while step {step} was in flight")
+                return frame.result
+            if kind == "error":
+                err = frame.error
+                if err.code == ShardErrorCode.FLOW_CONTROL_VIOLATION and err.retryable and err.idempotency_step == step:
+                    return None
+                raise self._error(err)
+            if kind == "ack" and frame.ack.duplicate and frame.ack.idempotency_step == step:
+                raise MalformedShardOutput(f"{self.where} reports step {step} as a duplicate: it was never sent before")
+            if kind == "accepted":
+                raise MalformedShardOutput(f"{self.where} sent a second SessionAccepted")
+            # Other acks (answers to CancelSignals) carry nothing for this step.
+
+    def _error(self, err: pb.ShardError) -> RuntimeServiceError:
+        try:
+            code = ShardErrorCode(err.code)
+        except ValueError:  # a newer worker's code: treat as INTERNAL
+            code = ShardErrorCode.INTERNAL
+        return error_for(code, f"{self.where}: {err.message}")
+
+    async def _write(self, frame: pb.ShardRequestFrame) -> None:
+        try:
+            await self._call.write(frame)
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError) as exc:
+            # The worker already ended the stream: its last frame (or status) says why.
+            raise await self._ended_because() from exc
+
+    async def _pump(self) -> None:
+        """Read every frame as it arrives (so a final error frame is never lost); then the end."""
+        try:
+            while (frame := await self._call.read()) is not grpc.aio.EOF:
+                self._frames.put_nowait(frame)
+            status = await self._call.code()
+            if status != grpc.StatusCode.OK:
+                self._end = error_of_status(status, await self._call.details() or "", self.address)
+        except grpc.aio.AioRpcError as exc:
+            self._end = error_of_rpc(exc, self.address)
+        except Exception as exc:  # noqa: BLE001 - whatever broke the stream, readers must learn it ended
+            self._end = ShardUnavailable(f"{self.where}: reading the session stream failed: {exc!r}")
+        self._frames.put_nowait(_STREAM_END)
+
+    async def _read(self, timeout_s: float | None = None) -> pb.ShardResponseFrame:
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        try:
+            item = await asyncio.wait_for(self._frames.get(), timeout_s)
+        except asyncio.TimeoutError:
+            raise DeadlineExpired(f"{self.where} did not answer within {timeout_s:.1f} s") from None
+        if item is _STREAM_END:
+            self._frames.put_nowait(item)  # the stream stays ended for later reads
+            raise type(self._end)(str(self._end))
+        return item
+
+    async def _ended_because(self) -> RuntimeServiceError:
+        """Why the worker ended the stream: its error frame if it sent one, else its status."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self._pump_task), self.timeout_s)
+        while not self._frames.empty():
+            item = self._frames.get_nowait()
+            if item is not _STREAM_END and item.HasField("error"):
+                self._end = self._error(item.error)
+        self._frames.put_nowait(_STREAM_END)
+        return type(self._end)(str(self._end))
+
+    def close(self) -> None:
+        """Cancel the stream (the worker then releases the session's caches)."""
+        if self._call is not None and not self._call.done():
+            self._call.cancel()
+        if self._pump_task is not None:
+            self._pump_task.cancel()

@@ -1,0 +1,324 @@
+"""The real shard engine: transformer blocks [start, end) of an MLX model on the exact path.
+
+The head embeds token ids, every worker runs its blocks over per-session
+`SinkWindowKVCache`s, the tail applies the final norm and LM head. Blocks are chunked at
+the session's `max_block` (the probed tile) with the very functions `forward.forward`
+uses, so a route of these engines reproduces the single-process logits bit for bit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from inference_engine.errors import InvalidRequest, InvariantViolation, PoolExhausted, SessionNotFound
+from inference_engine.model.forward import embed, lm_head, run_layers
+from inference_engine.shard.engine import ShardEngine
+from inference_engine.shard.errors import WorkCancelled
+from inference_engine.shard.types import (
+    LayerRange,
+    ShardCapabilities,
+    ShardHealth,
+    ShardMetrics,
+    ShardOutput,
+    ShardWork,
+)
+from inference_engine.verifier.kv_cache import CacheGeometry, SinkWindowKVCache
+from inference_engine.verifier.tile_probe import probe_tile
+
+_NUMPY_DTYPE = {mx.float32: "float32", mx.float16: "float16"}
+
+
+def load_weights(path: Path) -> nn.Module:
+    """Load an mlx-lm folder's model lazily and without its tokenizer (workers need no text).
+
+    Weights are read when first evaluated, so a worker only materializes what it runs.
+
+    Raises:
+        FileNotFoundError: no config.json in `path`.
+        ValueError: not a llama-family model.
+    """
+    from mlx_lm.utils import load_model as mlx_lm_load_model
+
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} is not an mlx-lm model folder (no config.json)")
+    model_type = json.loads((path / "config.json").read_text()).get("model_type")
+    if model_type not in ("llama", "mistral", "qwen2"):
+        raise ValueError(f"model_type {model_type!r} is not supported (llama family only)")
+    model, _ = mlx_lm_load_model(path, lazy=True)
+    return model
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    """Hex SHA-256 over the model's shape arguments and its first embedding rows."""
+    a = model.args
+    h = hashlib.sha256()
+    for name in ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "vocab_size", "intermediate_size"):
+        h.update(f"{name}={getattr(a, name, None)};".encode())
+    h.update(np.array(model.model.embed_tokens.weight[:8]).tobytes())
+    return h.hexdigest()
+
+
+@dataclass
+class _Session:
+    """One route session's caches on this engine."""
+
+    geometry: CacheGeometry  # shared by every worker of the route
+    cache: list[SinkWindowKVCache]  # one per block in [start, end)
+    is_cancelled: bool = False  # whole-session cancel: refuse all work
+    broken: str = ""  # why the cache is unusable ("" = fine)
+    cancelled_items: set[int] = field(default_factory=set)  # work ids to stop at a chunk boundary
+
+    @property
+    def position(self) -> int:
+        return self.cache[0].offset
+
+
+class MlxShardEngine(ShardEngine):
+    """Blocks [start, end) of one MLX llama-family model, for many sessions."""
+
+    def __init__(
+        self,
+        model: nn.Module | Path,
+        layers: LayerRange,
+        *,
+        block: int = 0,
+        max_tile: int = 16,
+        max_rollback: int = 8,
+        max_sessions: int = 8,
+        max_sink: int = 64,
+        max_window: int = 8192,
+        name: str | None = None,
+    ):
+        """
+        Args:
+            model: a loaded mlx-lm `Model`, or an mlx-lm folder loaded by `load`.
+            layers: the blocks to run.
+            block: rows per forward chunk (the tile); 0 = probe it at `load` (up to `max_tile`).
+            max_rollback / max_sessions / max_sink / max_window: limits of sessions.
+            name: model name reported in capabilities (default: folder name or "model").
+        """
+        self._source = model
+        self.layers = layers
+        self._block = block
+        self._max_tile = max_tile
+        self._limits = (max_rollback, max_sessions, max_sink, max_window)
+        self._name = name or (model.name if isinstance(model, Path) else "model")
+        self.model: nn.Module | None = None
+        self._caps: ShardCapabilities | None = None
+        self._sessions: dict[str, _Session] = {}
+        self._lock = threading.Lock()  # guards _sessions and the counters
+        self._steps = self._rows = 0
+        self._busy_s = 0.0
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    def load(self) -> None:
+        if self._caps is not None:
+            return
+        model = load_weights(self._source) if isinstance(self._source, Path) else self._source
+        args = model.args
+        num_layers = int(args.num_hidden_layers)
+        if self.layers.end > num_layers:
+            raise ValueError(f"layer range {self.layers} exceeds the model's {num_layers} layers")
+        inner = model.model
+        used = [inner.embed_tokens, inner.norm, *inner.layers[self.layers.start : self.layers.end]]
+        mx.eval([m.parameters() for m in used + ([model.lm_head] if hasattr(model, "lm_head") else [])])
+        block = self._block
+        if block <= 0:
+            probe = probe_tile(model, max_candidate=self._max_tile)
+            if not probe.is_exact_possible:
+                raise InvariantViolation("tile probe: even single rows are not repeatable on this BLAS")
+            block = probe.tile
+        act_dtype = embed(model, mx.array([0], dtype=mx.int32)).dtype
+        if act_dtype not in _NUMPY_DTYPE:
+            raise ValueError(f"activations of dtype {act_dtype} cannot be carried between workers")
+        max_rollback, max_sessions, max_sink, max_window = self._limits
+        self.model = model
+        self._num_kv_heads = int(args.num_key_value_heads)
+        self._head_dim = int(getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads)
+        self._caps = ShardCapabilities(
+            model_name=self._name, model_fingerprint=model_fingerprint(model), num_layers=num_layers,
+            layers=self.layers, hidden_size=int(args.hidden_size), vocab_size=int(args.vocab_size),
+            activation_dtype=_NUMPY_DTYPE[act_dtype], max_block=block, max_rollback=max_rollback,
+            max_sessions=max_sessions, max_sink=max_sink, max_window=max_window,
+        )
+
+    def capabilities(self) -> ShardCapabilities:
+        return self._ready()
+
+    def _ready(self) -> ShardCapabilities:
+        if self._caps is None:
+            raise InvariantViolation("the shard engine is not loaded; call load() first")
+        return self._caps
+
+    # -- sessions --------------------------------------------------------------------
+
+    def open_session(self, session_id: str, geometry: CacheGeometry) -> None:
+        caps = self._ready()
+        checks = {
+            "sink": (geometry.sink, 0, caps.max_sink),
+            "window": (geometry.window, 1, caps.max_window),
+            "max_block": (geometry.max_block, 1, caps.max_block),
+            "max_rollback": (geometry.max_rollback, 0, caps.max_rollback),
+        }
+        for what, (value, low, high) in checks.items():
+            if not low <= value <= high:
+                raise InvalidRequest(f"session {what} = {value} is out of range; this worker allows {low}..{high}")
+        cache = [SinkWindowKVCache(geometry, self._num_kv_heads, self._head_dim) for _ in range(len(self.layers))]
+        with self._lock:
+            if session_id in self._sessions:
+                raise InvalidRequest(f"session {session_id!r} is already open on this worker")
+            if len(self._sessions) >= caps.max_sessions:
+                raise PoolExhausted(f"all {caps.max_sessions} session slots of this worker are in use")
+            self._sessions[session_id] = _Session(geometry, cache)
+
+    def release(self, session_id: str) -> bool:
+        with self._lock:
+            return self._sessions.pop(session_id, None) is not None
+
+    def cancel(self, session_id: str, work_id: int | None = None) -> bool:
+        s = self._sessions.get(session_id)
+        if s is None:
+            return False
+        if work_id is None:
+            s.is_cancelled = True
+        else:
+            s.cancelled_items.add(work_id)
+        return True
+
+    def _session(self, session_id: str) -> _Session:
+        s = self._sessions.get(session_id)
+        if s is None:
+            raise SessionNotFound(f"session {session_id!r} is not open on this worker (layers {self.layers})")
+        if s.broken:
+            raise InvariantViolation(f"session {session_id!r} is broken ({s.broken}); release it and replay")
+        if s.is_cancelled:
+            raise WorkCancelled(f"session {session_id!r} was cancelled")
+        return s
+
+    # -- compute ---------------------------------------------------------------------
+
+    def prefill(self, session_id: str, work: ShardWork) -> ShardOutput:
+        return self._step(session_id, work)
+
+    def decode(self, session_id: str, work: ShardWork) -> ShardOutput:
+        if work.rows != 1:
+            raise InvalidRequest(f"decode takes exactly one row, got {work.rows}")
+        return self._step(session_id, work)
+
+    def trim(self, session_id: str, n: int, position: int) -> int:
+        s = self._session(session_id)
+        if position != s.position:
+            raise InvariantViolation(f"trim at position {position}, but the session is at {s.position}")
+        allowed = min(s.geometry.max_rollback, s.position)
+        if not 0 <= n <= allowed:
+            raise InvariantViolation(f"cannot trim {n} positions; allowed 0..{allowed}")
+        for c in s.cache:
+            c.trim(n)
+        return s.position
+
+    def layer_digests(self, session_id: str, position: int) -> list[bytes]:
+        s = self._session(session_id)
+        if position != s.position:
+            raise InvariantViolation(f"digest at position {position}, but the session is at {s.position}")
+        return [c.digest() for c in s.cache]
+
+    def _check_input(self, s: _Session, work: ShardWork) -> None:
+        caps = self._ready()
+        if work.position != s.position:
+            raise InvariantViolation(f"block at position {work.position}, but the session is at {s.position}")
+        if caps.is_head:
+            if not work.tokens:
+                raise InvalidRequest("the head worker needs the rows' token ids")
+            bad = [t for t in work.tokens if not 0 <= t < caps.vocab_size]
+            if bad:
+                raise InvalidRequest(f"token id {bad[0]} is out of range; allowed 0..{caps.vocab_size - 1}")
+            return
+        h = work.hidden
+        if h is None or h.ndim != 2 or h.shape[0] < 1 or h.shape[1] != caps.hidden_size:
+            got = None if h is None else tuple(h.shape)
+            raise InvalidRequest(f"hidden activations of shape {got}; "
+                                 f"this worker needs (rows >= 1, {caps.hidden_size})")
+        if h.dtype != np.dtype(caps.activation_dtype):
+            raise InvalidRequest(f"hidden activations of dtype {h.dtype}; this worker needs {caps.activation_dtype}")
+        if work.tokens and len(work.tokens) != h.shape[0]:
+            raise InvalidRequest(f"{len(work.tokens)} sideband token ids for {h.shape[0]} rows")
+
+    def _step(self, session_id: str, work: ShardWork) -> ShardOutput:
+        caps = self._ready()
+        s = self._session(session_id)
+        self._check_input(s, work)
+        started, position, rows = time.perf_counter(), s.position, work.rows
+        step = s.geometry.max_block
+        outs: list[np.ndarray] = []
+        try:
+            for i in range(0, rows, step):
+                if s.is_cancelled or work.work_id in s.cancelled_items:
+                    self._abandon(s, i)
+                    raise WorkCancelled(f"work {work.work_id} of session {session_id!r} was cancelled")
+                is_last = i + step >= rows
+                out = self._chunk(s, work, i, min(rows, i + step), is_last)
+                if out is not None:
+                    outs.append(out)
+        except (WorkCancelled, InvariantViolation):
+            raise
+        except Exception as exc:
+            s.broken = f"compute failed at position {s.position}: {type(exc).__name__}"
+            raise
+        finally:
+            s.cancelled_items.discard(work.work_id)
+        tensor = outs[0] if len(outs) == 1 else np.concatenate(outs, axis=0)
+        with self._lock:
+            self._steps += 1
+            self._rows += rows
+            self._busy_s += time.perf_counter() - started
+        return ShardOutput(work.work_id, position, s.position, tensor, is_logits=caps.is_tail)
+
+    def _chunk(self, s: _Session, work: ShardWork, lo: int, hi: int, is_last: bool) -> np.ndarray | None:
+        """Rows [lo, hi) of the block through this engine's blocks (as `forward.forward_chunk`)."""
+        caps, model = self._caps, self.model
+        if caps.is_head:
+            h = embed(model, mx.array(work.tokens[lo:hi], dtype=mx.int32))  # (1, L, hidden)
+        else:
+            h = mx.array(work.hidden[lo:hi])[None]  # (1, L, hidden)
+        h = run_layers(model, h, s.cache, caps.layers.start, caps.layers.end)
+        if not caps.is_tail:
+            out = h[0]  # (L, hidden)
+        elif work.all_logits or is_last:
+            out = lm_head(model, h, work.all_logits)  # (L or 1, V) float32
+        else:
+            out = None  # logits of a non-final chunk are not wanted
+        mx.eval(out if out is not None else h, [c.keys for c in s.cache], [c.values for c in s.cache])
+        return None if out is None else np.array(out)
+
+    def _abandon(self, s: _Session, done_rows: int) -> None:
+        """Undo the rows of a cancelled block, or mark the session broken if that is inexact."""
+        if done_rows <= s.geometry.max_rollback:
+            for c in s.cache:
+                c.trim(done_rows)
+            return
+        s.broken = f"cancelled after {done_rows} rows (more than max_rollback {s.geometry.max_rollback})"
+        raise InvariantViolation(f"block cancelled after {done_rows} rows; the session cannot be restored: {s.broken}")
+
+    # -- observability ---------------------------------------------------------------
+
+    def health(self) -> ShardHealth:
+        n = len(self._sessions)
+        if self._caps is None:
+            return ShardHealth(False, "not loaded", n)
+        return ShardHealth(True, f"layers {self.layers} of {self._caps.model_name}, block {self._caps.max_block}", n)
+
+    def metrics(self) -> ShardMetrics:
+        with self._lock:
+            kv = sum(c.nbytes for s in self._sessions.values() for c in s.cache)
+            return ShardMetrics(len(self._sessions), kv, self._steps, self._rows, self._busy_s)

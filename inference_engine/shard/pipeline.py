@@ -1,0 +1,460 @@
+"""ShardPipeline: drive a route of shard workers (head, middles, tail) as one model.
+
+    async with ShardPipeline(["127.0.0.1:7001", "127.0.0.1:7002", "127.0.0.1:7003"]) as route:
+        await route.open("s1", sink=4, window=1024)
+        logits = await route.forward("s1", prompt, all_logits=False)  # (1, vocab) float32
+        logits = await route.forward("s1", draft)                     # (len(draft), vocab)
+        await route.trim("s1", 2)                                     # drop 2 rejected tokens
+        digests = await route.layer_digests("s1")                     # per-layer K/V SHA-256s
+        await route.release("s1")
+
+    # After a worker restart (or any failure): a newer epoch, then replay the history.
+    route.advance_epoch()
+    await route.open("s1", sink=4, window=1024)
+    logits = await route.forward("s1", history, all_logits=False)
+
+Every answer is checked (step, positions, dtype, shape, finite values) before it is used:
+a worker that answers OK with wrong output raises MalformedShardOutput. Any failure
+during a step leaves the workers inconsistent, so the session is closed on every worker
+and later calls raise InvariantViolation until it is opened again at a newer route epoch
+(`advance_epoch`) and its tokens are replayed; the caller owns the token history.
+One call at a time per session (calls on one session are serialized); sessions are independent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import grpc
+import numpy as np
+
+from inference_engine.errors import InvalidRequest, InvariantViolation, RuntimeServiceError, SessionNotFound
+from inference_engine.shard.errors import MalformedShardOutput, PayloadCorrupt
+from inference_engine.shard.hop_stream import HopStream
+from inference_engine.shard.status_codes import error_of_rpc
+from inference_engine.shard.tensor_codec import decode_tensor
+from inference_engine.shard.types import LayerRange, ShardCapabilities, ShardHealth
+from inference_engine.shard.wire import CHANNEL_OPTIONS, MAX_ROWS, capabilities_of, digest_frame, trim_frame, work_frame
+from inference_engine.v1 import shard_runtime_pb2 as pb
+from inference_engine.v1 import shard_runtime_pb2_grpc as pb_grpc
+from inference_engine.verifier.kv_cache import CacheGeometry
+
+
+@dataclass(frozen=True)
+class HopStats:
+    """Round trips to one worker since the pipeline started."""
+
+    address: str  # host:port
+    layers: LayerRange  # blocks it runs
+    calls: int  # work frames answered (forward blocks and trims)
+    seconds: float  # total wall time from send to checked answer
+
+    @property
+    def mean_ms(self) -> float:
+        """Mean per-hop latency in milliseconds (0 before any call)."""
+        return 1e3 * self.seconds / self.calls if self.calls else 0.0
+
+
+@dataclass
+class _RouteSession:
+    """A route session as the pipeline tracks it."""
+
+    session_id: str  # the caller's id (= route_session_id on the workers)
+    epoch: int  # route epoch it was opened at
+    geometry: CacheGeometry  # identical on every worker
+    hops: list[HopStream]  # head first
+    position: int = 0  # next global position (tokens in the cache)
+    step: int = 0  # last idempotency_step used
+    broken: str = ""  # why the session can no longer be used ("" = usable)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one call at a time
+
+
+class ShardPipeline:
+    """A route of shard workers computing one model, for many sessions."""
+
+    def __init__(self, addresses: Sequence[str], *, epoch: int = 1, step_timeout_s: float = 120.0,
+                 connect_timeout_s: float = 10.0):
+        """
+        Args:
+            addresses: "host:port" of each worker, head first, tail last.
+            epoch: the route epoch sessions open at (>= 1).
+            step_timeout_s: deadline of one work frame on one worker.
+            connect_timeout_s: deadline of SessionOpen and of GetCapability / Health / Release / Cancel calls.
+        """
+        if not addresses:
+            raise InvalidRequest("a route needs at least one worker address")
+        if epoch < 1:
+            raise InvalidRequest(f"route epoch {epoch} is out of range; allowed >= 1")
+        self.addresses = tuple(addresses)
+        self.step_timeout_s = step_timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self._epoch = epoch
+        self._channels: list[grpc.aio.Channel] = []
+        self._stubs: list[pb_grpc.ShardRuntimeStub] = []
+        self._caps: tuple[ShardCapabilities, ...] = ()
+        self._sessions: dict[str, _RouteSession] = {}
+        self._stats = [[0, 0.0] for _ in self.addresses]  # calls, seconds per hop
+
+    async def __aenter__(self) -> "ShardPipeline":
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- route -----------------------------------------------------------------------
+
+    async def connect(self) -> tuple[ShardCapabilities, ...]:
+        """Ask every worker what it computes and check that they form one route.
+
+        Returns:
+            Each worker's capabilities, head first.
+        Raises:
+            ShardUnavailable: a worker cannot be reached.
+            InvalidRequest: the layer ranges do not tile [0, num_layers) in order, or the
+                workers do not run the same model.
+        """
+        if not self._channels:
+            self._channels = [grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS) for a in self.addresses]
+            self._stubs = [pb_grpc.ShardRuntimeStub(c) for c in self._channels]
+        replies = await asyncio.gather(*(self._unary(i, "GetCapability", pb.ShardCapabilityRequest())
+                                         for i in range(len(self._stubs))))
+        caps = tuple(capabilities_of(r) for r in replies)
+        head = caps[0]
+        expected_start = 0
+        for address, c in zip(self.addresses, caps):
+            same = (c.model_fingerprint, c.num_layers, c.hidden_size, c.vocab_size, c.activation_dtype)
+            if same != (head.model_fingerprint, head.num_layers, head.hidden_size, head.vocab_size,
+                        head.activation_dtype):
+                raise InvalidRequest(f"shard worker {address} runs a different model ({c.model_name}, "
+                                     f"fingerprint {c.model_fingerprint[:12]}) than {self.addresses[0]}")
+            if c.layers.start != expected_start:
+                raise InvalidRequest(f"shard worker {address} runs layers {c.layers}; the route needs layers "
+                                     f"starting at {expected_start} next")
+            expected_start = c.layers.end
+        if expected_start != head.num_layers:
+            raise InvalidRequest(f"the route ends at layer {expected_start}; the model has {head.num_layers}")
+        self._caps = caps
+        return caps
+
+    @property
+    def capabilities(self) -> tuple[ShardCapabilities, ...]:
+        """Each worker's capabilities, head first (empty before `connect`)."""
+        return self._caps
+
+    @property
+    def max_block(self) -> int:
+        """Largest rows-per-chunk every worker accepts (the route's exact tile)."""
+        return min(c.max_block for c in self._connected())
+
+    @property
+    def max_rollback(self) -> int:
+        """Largest rollback every worker accepts."""
+        return min(c.max_rollback for c in self._connected())
+
+    @property
+    def vocab_size(self) -> int:
+        """Logits width; token ids must be below it."""
+        return self._connected()[0].vocab_size
+
+    @property
+    def epoch(self) -> int:
+        """The route epoch new sessions open at."""
+        return self._epoch
+
+    def advance_epoch(self, epoch: int | None = None) -> int:
+        """Move to a newer route epoch (after a worker restart); returns it.
+
+        Sessions opened afterwards supersede older incarnations on every worker.
+
+        Raises:
+            InvalidRequest: `epoch` is not newer than the current one.
+        """
+        new = self._epoch + 1 if epoch is None else epoch
+        if new <= self._epoch:
+            raise InvalidRequest(f"route epoch {new} is not newer than {self._epoch}")
+        self._epoch = new
+        return new
+
+    def _connected(self) -> tuple[ShardCapabilities, ...]:
+        if not self._caps:
+            raise InvariantViolation("the pipeline is not connected; call connect() first")
+        return self._caps
+
+    # -- sessions --------------------------------------------------------------------
+
+    async def open(self, session_id: str, sink: int, window: int, *, max_block: int | None = None,
+                   max_rollback: int | None = None) -> CacheGeometry:
+        """Open a session on every worker at the current route epoch.
+
+        Args:
+            session_id: the caller's id (1..128 characters).
+            sink / window: cache geometry, as for a single-process session.
+            max_block: rows per forward chunk (default: the route's `max_block`); use the
+                single-process engine's block to reproduce its results bit for bit.
+            max_rollback: deepest `trim` (default: the route's `max_rollback`).
+        Returns:
+            The geometry every worker uses.
+        Raises:
+            InvalidRequest: the session is already open at this epoch, or a worker rejects the geometry.
+            PoolExhausted, ShardUnavailable, EpochStale, WorkCancelled: a worker refused.
+        """
+        self._connected()
+        old = self._sessions.get(session_id)
+        if old is not None:
+            if old.epoch >= self._epoch:
+                raise InvalidRequest(f"session {session_id!r} is already open at route epoch {old.epoch}; "
+                                     "advance_epoch() before opening it again")
+            self._close_hops(old)
+            del self._sessions[session_id]
+        geometry = CacheGeometry(sink=sink, window=window, max_block=max_block or self.max_block,
+                                 max_rollback=self.max_rollback if max_rollback is None else max_rollback)
+        hops = [HopStream(stub, address, caps, self.step_timeout_s)
+                for stub, address, caps in zip(self._stubs, self.addresses, self._caps)]
+        session = _RouteSession(session_id, self._epoch, geometry, hops)
+        try:
+            await asyncio.gather(*(h.open(session_id, self._epoch, geometry, self.connect_timeout_s) for h in hops))
+        except BaseException:
+            # Free what did open, so the same epoch can be tried again at once.
+            self._close_hops(session)
+            await self._release_on_workers(session)
+            raise
+        self._sessions[session_id] = session
+        return geometry
+
+    def position(self, session_id: str) -> int:
+        """The session's next global position (tokens computed into its caches).
+
+        Raises:
+            SessionNotFound: not open in this pipeline.
+        """
+        return self._session(session_id).position
+
+    async def forward(self, session_id: str, tokens: Sequence[int], *, all_logits: bool = True) -> np.ndarray:
+        """Compute `tokens` at the session's next positions through every worker.
+
+        Args:
+            tokens: the block (1..65536 ids, each below vocab_size). One token travels as
+                a compact DecodeStep, more as an ActivationChunk.
+            all_logits: logits for every row (verification), else for the last row only.
+        Returns:
+            (len(tokens), vocab) float32 logits, or (1, vocab); row i predicts the token after tokens[i].
+        Raises:
+            InvalidRequest: bad tokens (nothing is sent).
+            InvariantViolation: the session failed earlier and must be reopened.
+            MalformedShardOutput: a worker answered OK with wrong output (the session fails).
+            any shard error a worker answered with (the session fails).
+        """
+        s = self._session(session_id)
+        block = [int(t) for t in tokens]
+        if not 1 <= len(block) <= MAX_ROWS:
+            raise InvalidRequest(f"forward takes 1..{MAX_ROWS} tokens, got {len(block)}")
+        vocab = self.vocab_size
+        bad = [t for t in block if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequest(f"token id {bad[0]} is out of range; allowed 0..{vocab - 1}")
+        async with s.lock:
+            self._check_usable(s)
+            s.step += 1
+            deadline = time.time_ns() + int(self.step_timeout_s * 1e9)
+            data: np.ndarray | None = None
+            try:
+                for i, hop in enumerate(s.hops):
+                    frame = work_frame(session_id, s.epoch, s.step, s.position, block if i == 0 else None,
+                                       data, all_logits, deadline)
+                    started = time.perf_counter()
+                    result = await hop.request(frame, s.step)
+                    data = self._checked_output(hop, result, s, len(block), all_logits)
+                    self._count(i, started)
+            except BaseException as exc:
+                self._break(s, exc)
+                raise
+            s.position += len(block)
+            return data
+
+    async def trim(self, session_id: str, n: int) -> int:
+        """Drop the session's last `n` positions on every worker (speculative rollback).
+
+        Returns:
+            The new position.
+        Raises:
+            InvariantViolation: n exceeds max_rollback or the position (nothing is sent),
+                or the session failed earlier.
+            any shard error a worker answered with (the session fails).
+        """
+        s = self._session(session_id)
+        async with s.lock:
+            self._check_usable(s)
+            allowed = min(s.geometry.max_rollback, s.position)
+            if not 0 <= n <= allowed:
+                raise InvariantViolation(f"cannot trim {n} positions; allowed 0..{allowed}")
+            s.step += 1
+            deadline = time.time_ns() + int(self.step_timeout_s * 1e9)
+            try:
+                for i, hop in enumerate(s.hops):
+                    started = time.perf_counter()
+                    result = await hop.request(trim_frame(s.epoch, s.step, s.position, n, deadline), s.step)
+                    if (result.position, result.next_position) != (s.position, s.position - n):
+                        raise MalformedShardOutput(f"{hop.where} trimmed {result.position}->{result.next_position}; "
+                                                   f"expected {s.position}->{s.position - n}")
+                    self._count(i, started)
+            except BaseException as exc:
+                self._break(s, exc)
+                raise
+            s.position -= n
+            return s.position
+
+    async def layer_digests(self, session_id: str) -> list[bytes]:
+        """SHA-256 of every block's cached K/V, in layer order (head's blocks first).
+
+        Equal to `[c.digest() for c in verifier.cache]` of a single process fed the same
+        tokens, so `verifier.state_digest(logits, cached_tokens, position, digests)` can be
+        computed for a route exactly as for one process.
+
+        Raises:
+            InvariantViolation: the session failed earlier.
+            MalformedShardOutput: a worker reported the wrong number or size of digests.
+            any shard error a worker answered with (the session fails).
+        """
+        s = self._session(session_id)
+        async with s.lock:
+            self._check_usable(s)
+            s.step += 1
+            deadline = time.time_ns() + int(self.step_timeout_s * 1e9)
+            digests: list[bytes] = []
+            try:
+                for hop in s.hops:
+                    result = await hop.request(digest_frame(s.epoch, s.step, s.position, deadline), s.step)
+                    got = list(result.layer_digests)
+                    if len(got) != len(hop.caps.layers) or any(len(d) != 32 for d in got) \
+                            or result.next_position != s.position:
+                        raise MalformedShardOutput(f"{hop.where} reported {len(got)} digests at position "
+                                                   f"{result.next_position}; expected {len(hop.caps.layers)} "
+                                                   f"SHA-256 digests at {s.position}")
+                    digests += got
+            except BaseException as exc:
+                self._break(s, exc)
+                raise
+            return digests
+
+    async def cancel(self, session_id: str) -> None:
+        """Cancel the session on every worker (out of band; a running step stops within a chunk).
+
+        The session fails: reopen it at a newer epoch to use it again.
+        """
+        s = self._session(session_id)
+        s.broken = s.broken or "cancelled"
+        await asyncio.gather(*(self._unary(i, "Cancel", pb.ShardCancelRequest(route_session_id=session_id,
+                                                                              route_epoch=s.epoch))
+                               for i in range(len(s.hops))), return_exceptions=True)
+        self._close_hops(s)
+
+    async def release(self, session_id: str) -> bool:
+        """Free the session on every worker and forget it.
+
+        Returns:
+            Whether every worker still held the session (False if unknown here).
+        Raises:
+            the mapped error of a worker that could not be asked (after asking the others).
+        """
+        s = self._sessions.pop(session_id, None)
+        if s is None:
+            return False
+        replies = await self._release_on_workers(s)
+        self._close_hops(s)
+        for r in replies:
+            if isinstance(r, BaseException):
+                raise r
+        return all(r.existed for r in replies)
+
+    async def health(self) -> tuple[ShardHealth, ...]:
+        """Each worker's health, head first.
+
+        Raises:
+            ShardUnavailable: a worker cannot be reached.
+        """
+        replies = await asyncio.gather(*(self._unary(i, "Health", pb.ShardHealthRequest())
+                                         for i in range(len(self.addresses))))
+        return tuple(ShardHealth(r.serving, r.detail, r.sessions) for r in replies)
+
+    def hop_stats(self) -> tuple[HopStats, ...]:
+        """Per-worker round-trip counters (for benchmarks)."""
+        layers = [c.layers for c in self._caps] or [LayerRange(0, 1)] * len(self.addresses)
+        return tuple(HopStats(a, lr, calls, secs) for a, lr, (calls, secs) in zip(self.addresses, layers, self._stats))
+
+    async def close(self) -> None:
+        """Close every session's streams (workers free their caches) and the channels."""
+        for s in self._sessions.values():
+            self._close_hops(s)
+        self._sessions.clear()
+        for channel in self._channels:
+            await channel.close()
+        self._channels, self._stubs = [], []
+
+    # -- helpers ---------------------------------------------------------------------
+
+    def _session(self, session_id: str) -> _RouteSession:
+        s = self._sessions.get(session_id)
+        if s is None:
+            raise SessionNotFound(f"session {session_id!r} is not open in this pipeline")
+        return s
+
+    @staticmethod
+    def _check_usable(s: _RouteSession) -> None:
+        if s.broken:
+            raise InvariantViolation(f"session {s.session_id!r} failed ({s.broken}); advance_epoch(), open it "
+                                     "again and replay its tokens")
+
+    def _break(self, s: _RouteSession, exc: BaseException) -> None:
+        s.broken = s.broken or f"{type(exc).__name__}: {exc}"
+        self._close_hops(s)
+
+    @staticmethod
+    def _close_hops(s: _RouteSession) -> None:
+        for hop in s.hops:
+            hop.close()
+
+    async def _release_on_workers(self, s: _RouteSession) -> list[object]:
+        """Release on every worker; each reply or exception, head first."""
+        request = pb.ShardReleaseRequest(route_session_id=s.session_id, route_epoch=s.epoch)
+        return await asyncio.gather(*(self._unary(i, "Release", request) for i in range(len(s.hops))),
+                                    return_exceptions=True)
+
+    def _count(self, hop: int, started: float) -> None:
+        self._stats[hop][0] += 1
+        self._stats[hop][1] += time.perf_counter() - started
+
+    async def _unary(self, i: int, method: str, request: object) -> object:
+        if not self._stubs:
+            raise InvariantViolation("the pipeline is not connected; call connect() first")
+        try:
+            return await getattr(self._stubs[i], method)(request, timeout=self.connect_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise error_of_rpc(exc, self.addresses[i]) from exc
+
+    def _checked_output(self, hop: HopStream, result: pb.ShardStepResult, s: _RouteSession, rows: int,
+                        all_logits: bool) -> np.ndarray:
+        """The answer's tensor, after checking it is what this hop must produce."""
+        caps = hop.caps
+        if (result.position, result.next_position) != (s.position, s.position + rows):
+            raise MalformedShardOutput(f"{hop.where} computed positions {result.position}->{result.next_position}; "
+                                       f"expected {s.position}->{s.position + rows}")
+        if not result.HasField("output"):
+            raise MalformedShardOutput(f"{hop.where} answered without an output tensor")
+        try:
+            tensor = decode_tensor(result.output)
+        except (PayloadCorrupt, RuntimeServiceError) as exc:
+            raise MalformedShardOutput(f"{hop.where} sent a bad tensor: {exc}") from exc
+        if caps.is_tail:
+            shape, dtype = (rows if all_logits else 1, caps.vocab_size), np.dtype("float32")
+        else:
+            shape, dtype = (rows, caps.hidden_size), np.dtype(caps.activation_dtype)
+        if tensor.shape != shape or tensor.dtype != dtype:
+            raise MalformedShardOutput(f"{hop.where} returned {tensor.dtype}{list(tensor.shape)}; "
+                                       f"expected {dtype}{list(shape)}")
+        if not np.isfinite(tensor).all():
+            raise MalformedShardOutput(f"{hop.where} returned non-finite values")
+        return tensor

@@ -1,0 +1,120 @@
+"""ShardRuntime over grpc.aio: one worker's engine behind the shard protocol."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from typing import Any, Callable
+
+import grpc
+
+from inference_engine.errors import RuntimeServiceError
+from inference_engine.shard.engine import ShardEngine
+from inference_engine.shard.engine_thread import EngineThread
+from inference_engine.shard.errors import ShardUnavailable, code_of
+from inference_engine.shard.route_table import RouteTable
+from inference_engine.shard.session_stream import SessionStream
+from inference_engine.shard.status_codes import grpc_status_of
+from inference_engine.shard.wire import CHANNEL_OPTIONS, capability_msg, check, health_msg
+from inference_engine.v1 import shard_runtime_pb2 as pb
+from inference_engine.v1 import shard_runtime_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+RELEASE_WAIT_S = 30.0  # Release waits this long for a running item to stop
+
+
+def _mapped(method: Callable) -> Callable:
+    """Abort unary calls with the mapped status code; details start with the error code's name."""
+
+    @functools.wraps(method)
+    async def wrapper(self: "ShardRuntimeServicer", request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await method(self, request, context)
+        except Exception as exc:  # noqa: BLE001 - mapped once, unexpected ones logged
+            if not isinstance(exc, RuntimeServiceError):
+                log.exception("unexpected error in %s", method.__name__)
+            code = code_of(exc)
+            await context.abort(grpc_status_of(code), f"{code.name}: {exc}")
+
+    return wrapper
+
+
+class ShardRuntimeServicer(pb_grpc.ShardRuntimeServicer):
+    """Converts and validates shard frames; runs the engine on its own thread."""
+
+    def __init__(self, engine: ShardEngine, max_credits: int = 8, default_credits: int = 4):
+        """
+        Args:
+            engine: a loaded ShardEngine.
+            max_credits: most work frames a session may have in flight.
+            default_credits: credits of a session that asks for 0.
+        """
+        self.engine = engine
+        self.max_credits = max_credits
+        self.default_credits = min(default_credits, max_credits)
+        self.thread = EngineThread()  # the one thread that runs this engine's work
+        self.routes = RouteTable()
+
+    @_mapped
+    async def GetCapability(self, request: pb.ShardCapabilityRequest,
+                            context: grpc.aio.ServicerContext) -> pb.ShardCapability:
+        return capability_msg(self.engine.capabilities(), self.max_credits)
+
+    @_mapped
+    async def Health(self, request: pb.ShardHealthRequest, context: grpc.aio.ServicerContext) -> pb.ShardHealthResponse:
+        return health_msg(self.engine.health(), self.engine.metrics())
+
+    async def Session(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
+        stream = SessionStream(self.engine, self.thread, self.routes, context, self.max_credits, self.default_credits)
+        await stream.serve()
+
+    @_mapped
+    async def Cancel(self, request: pb.ShardCancelRequest, context: grpc.aio.ServicerContext) -> pb.ShardCancelResponse:
+        check("route_session_id#", len(request.route_session_id))
+        existed, cancelled = self.routes.cancel(request.route_session_id, check("route_epoch", request.route_epoch),
+                                                check("work_id", request.work_id))
+        return pb.ShardCancelResponse(session_existed=existed, cancelled=cancelled)
+
+    @_mapped
+    async def Release(self, request: pb.ShardReleaseRequest,
+                      context: grpc.aio.ServicerContext) -> pb.ShardReleaseResponse:
+        check("route_session_id#", len(request.route_session_id))
+        stream = self.routes.live(request.route_session_id, check("route_epoch", request.route_epoch))
+        if stream is None:
+            return pb.ShardReleaseResponse(existed=False)
+        stream.release()
+        # Answer once the caches are freed, so a released slot can be reused at once.
+        await asyncio.wait_for(stream.closed.wait(), RELEASE_WAIT_S)
+        return pb.ShardReleaseResponse(existed=True)
+
+    def fail_sessions(self, reason: str) -> None:
+        """Fail every live session closed with UNAVAILABLE (shutdown: clients rebuild elsewhere)."""
+        for stream in self.routes.all_live():
+            stream.fail(ShardUnavailable(reason))
+
+    def close(self) -> None:
+        """Stop the engine thread (after the server has stopped)."""
+        self.thread.close()
+
+
+async def start_shard_server(engine: ShardEngine, host: str, port: int,
+                             max_credits: int = 8) -> tuple[grpc.aio.Server, int, ShardRuntimeServicer]:
+    """Load `engine` (if needed) and serve it on host:port.
+
+    Returns:
+        The started server, the bound port, and the servicer (`fail_sessions` before
+        stopping the server, `close` after).
+    Raises:
+        OSError: the address cannot be bound.
+    """
+    engine.load()
+    servicer = ShardRuntimeServicer(engine, max_credits=max_credits)
+    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    pb_grpc.add_ShardRuntimeServicer_to_server(servicer, server)
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError as exc:
+        raise OSError(f"could not bind {host}:{port}: {exc}") from exc
+    await server.start()
+    return server, bound, servicer

@@ -1,0 +1,76 @@
+"""The shard worker process: load a layer range, serve ShardRuntime, exit 0 on SIGTERM.
+
+`python -m inference_engine shard-worker --layers A:B --host H --port P [--model ...]`
+prints the same readiness line as the server (`listening on HOST:PORT`) once it serves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+
+from inference_engine.blas import active_blas
+from inference_engine.model.packaged import resolve_model_path
+from inference_engine.shard.engine import ShardEngine
+from inference_engine.shard.worker_config import ShardWorkerConfig, worker_config_from_args
+
+log = logging.getLogger(__name__)
+
+
+def build_engine(cfg: ShardWorkerConfig) -> ShardEngine:
+    """The worker's engine, loaded (weights read, tile probed unless `cfg.block` is set)."""
+    from inference_engine.shard.fault_injection import FaultInjectingEngine
+    from inference_engine.shard.mlx_engine import MlxShardEngine
+
+    path = resolve_model_path(cfg.model, cfg.cache_dir)
+    log.info("loading layers %s of %s", cfg.layers, path)
+    engine: ShardEngine = MlxShardEngine(
+        path, cfg.layers, block=cfg.block, max_tile=cfg.max_tile, max_rollback=cfg.max_rollback,
+        max_sessions=cfg.max_sessions, max_sink=cfg.max_sink, max_window=cfg.max_window,
+    )
+    engine.load()
+    caps = engine.capabilities()
+    log.info("layers %s of %d, block %d, head=%s tail=%s", caps.layers, caps.num_layers, caps.max_block,
+             caps.is_head, caps.is_tail)
+    if cfg.faults is not None:
+        log.warning("TEST FIXTURE: injecting faults %s", cfg.faults)
+        engine = FaultInjectingEngine(engine, cfg.faults)
+    return engine
+
+
+async def serve_worker(cfg: ShardWorkerConfig) -> None:
+    """Serve until SIGTERM/SIGINT, then drain in-flight RPCs for `grace_s`."""
+    from inference_engine.shard.servicer import start_shard_server
+
+    log.info("BLAS in use: %s", active_blas())
+    engine = build_engine(cfg)
+    server, port, servicer = await start_shard_server(engine, cfg.host, cfg.port, max_credits=cfg.max_credits)
+    try:
+        print(f"listening on {cfg.host}:{port}", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        log.info("shutting down: failing open sessions, draining RPCs for up to %.1fs", cfg.grace_s)
+        servicer.fail_sessions("the shard worker is shutting down")
+        await server.stop(cfg.grace_s)
+    finally:
+        servicer.close()  # join the engine thread before the interpreter exits
+    log.info("stopped")
+
+
+def run_worker(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """The `shard-worker` command; returns the exit status (2: bad flags, layer range or address)."""
+    try:
+        cfg = worker_config_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    try:
+        asyncio.run(serve_worker(cfg))
+    except (ValueError, OSError) as exc:
+        log.error("cannot start the shard worker: %s", exc)
+        return 2
+    return 0

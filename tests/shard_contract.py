@@ -1,0 +1,155 @@
+"""The ShardEngine contract: every engine must pass these (subclass with `make_engine`).
+
+Run on the tiny 2-layer model split head [0, 1) / tail [1, 2); a chain of engines must
+reproduce the single-process SinkWindowVerifier bit for bit, across chunk edges, window
+wrap, decode rows and trims.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from inference_engine.errors import InvalidRequest, InvariantViolation, PoolExhausted, SessionNotFound
+from inference_engine.shard.engine import ShardEngine
+from inference_engine.shard.errors import WorkCancelled
+from inference_engine.shard.types import LayerRange, ShardWork
+from inference_engine.verifier.kv_cache import CacheGeometry
+from tests.shard_helpers import GEOMETRY, ref_block, reference, run_chain
+
+TOKENS = np.random.default_rng(7).integers(0, 256, 64).tolist()
+# Block sizes: chunk edges (> max_block 4), single rows, and enough tokens to wrap the window.
+PATTERNS = {"mixed": [7, 1, 3, 10, 1, 1, 5, 9], "singles": [1] * 14, "one-block": [30]}
+
+
+class ShardEngineContract:
+    """Reusable contract test; subclasses define `make_engine`."""
+
+    def make_engine(self, model, layers: LayerRange, **limits) -> ShardEngine:
+        """An unloaded engine for `layers` of `model` with block 4 and `limits` (max_sessions, ...)."""
+        raise NotImplementedError
+
+    @pytest.fixture
+    def chain(self, tiny) -> list[ShardEngine]:
+        engines = [self.make_engine(tiny.model, LayerRange(0, 1)), self.make_engine(tiny.model, LayerRange(1, 2))]
+        for e in engines:
+            e.load()
+        return engines
+
+    def _open(self, chain, sid="s", geometry=GEOMETRY):
+        for e in chain:
+            e.open_session(sid, geometry)
+
+    def test_capabilities(self, chain, tiny):
+        head, tail = (e.capabilities() for e in chain)
+        assert head.is_head and not head.is_tail and tail.is_tail and not tail.is_head
+        assert (head.layers, tail.layers) == (LayerRange(0, 1), LayerRange(1, 2))
+        assert head.model_fingerprint == tail.model_fingerprint and len(head.model_fingerprint) == 64
+        assert (head.hidden_size, head.vocab_size, head.num_layers) == (64, 256, 2)
+        assert head.activation_dtype == "float32" and head.max_block == 4
+        chain[0].load()  # idempotent
+        assert chain[0].capabilities() == head
+
+    @pytest.mark.parametrize("pattern", PATTERNS)
+    def test_chain_reproduces_single_process_bitwise(self, chain, tiny, pattern):
+        self._open(chain)
+        ref, position = reference(tiny), 0
+        for step, n in enumerate(PATTERNS[pattern], start=1):
+            block = TOKENS[position : position + n]
+            all_logits = step % 3 != 0  # every third block asks for the last row only
+            got = run_chain(chain, "s", step, position, block, all_logits, decode=n == 1 and step % 2 == 0)
+            want = ref_block(ref, block, all_logits)
+            assert got.dtype == np.float32 and got.tobytes() == want.tobytes(), (pattern, step)
+            position += n
+        assert position > GEOMETRY.sink + GEOMETRY.window + GEOMETRY.max_block  # the ring wrapped
+
+    def test_trim_is_an_exact_rollback(self, chain, tiny):
+        self._open(chain)
+        ref = reference(tiny)
+        run_chain(chain, "s", 1, 0, TOKENS[:12])
+        ref_block(ref, TOKENS[:12])
+        run_chain(chain, "s", 2, 12, TOKENS[12:16])  # a 4-token draft ...
+        ref_block(ref, TOKENS[12:16], keep=1)  # ... of which one is accepted
+        for e in chain:
+            assert e.trim("s", 3, 16) == 13
+        got = run_chain(chain, "s", 3, 13, [5, 6, 7])
+        assert got.tobytes() == ref_block(ref, [5, 6, 7]).tobytes()
+
+    def test_layer_digests_split_like_the_single_process(self, chain, tiny):
+        self._open(chain)
+        ref = reference(tiny)
+        run_chain(chain, "s", 1, 0, TOKENS[:20])
+        ref_block(ref, TOKENS[:20])
+        digests = [d for e in chain for d in e.layer_digests("s", 20)]
+        assert digests == [c.digest() for c in ref.cache] and len(digests) == 2
+        with pytest.raises(InvariantViolation, match="position 19"):
+            chain[0].layer_digests("s", 19)
+        with pytest.raises(SessionNotFound):
+            chain[0].layer_digests("nope", 0)
+
+    def test_input_errors(self, chain, tiny):
+        head, tail = chain
+        self._open(chain)
+        with pytest.raises(SessionNotFound):
+            head.prefill("nope", ShardWork(1, 0, (1,), None))
+        with pytest.raises(InvalidRequest, match="already open"):
+            head.open_session("s", GEOMETRY)
+        with pytest.raises(InvalidRequest, match="max_block"):
+            head.open_session("t", CacheGeometry(2, 5, max_block=5, max_rollback=4))
+        with pytest.raises(InvalidRequest, match="token ids"):
+            head.prefill("s", ShardWork(1, 0, (), None))
+        with pytest.raises(InvalidRequest, match="token id 256"):
+            head.prefill("s", ShardWork(1, 0, (1, 256), None))
+        with pytest.raises(InvalidRequest, match="exactly one row"):
+            head.decode("s", ShardWork(1, 0, (1, 2), None))
+        with pytest.raises(InvariantViolation, match="position 3"):
+            head.prefill("s", ShardWork(1, 3, (1,), None))
+        with pytest.raises(InvalidRequest, match="shape"):
+            tail.prefill("s", ShardWork(1, 0, (), np.zeros((2, 63), np.float32)))
+        with pytest.raises(InvalidRequest, match="shape"):
+            tail.prefill("s", ShardWork(1, 0, (), None))
+        with pytest.raises(InvalidRequest, match="dtype"):
+            tail.prefill("s", ShardWork(1, 0, (), np.zeros((2, 64), np.float16)))
+        with pytest.raises(InvalidRequest, match="sideband"):
+            tail.prefill("s", ShardWork(1, 0, (1,), np.zeros((2, 64), np.float32)))
+        run_chain(chain, "s", 1, 0, TOKENS[:6])
+        with pytest.raises(InvariantViolation, match="allowed 0..4"):
+            head.trim("s", 5, 6)
+        with pytest.raises(InvariantViolation, match="position 5"):
+            head.trim("s", 1, 5)
+
+    def test_session_capacity(self, tiny):
+        engine = self.make_engine(tiny.model, LayerRange(0, 2), max_sessions=1)
+        engine.load()
+        engine.open_session("a", GEOMETRY)
+        with pytest.raises(PoolExhausted):
+            engine.open_session("b", GEOMETRY)
+        assert engine.release("a") and not engine.release("a")
+        engine.open_session("b", GEOMETRY)
+
+    def test_cancel_item_and_session(self, chain, tiny):
+        head, _ = chain
+        self._open(chain)
+        assert not head.cancel("nope") and not head.cancel("nope", 5)
+        assert head.cancel("s", 5)
+        with pytest.raises(WorkCancelled, match="work 5"):
+            head.prefill("s", ShardWork(5, 0, tuple(TOKENS[:6]), None))
+        # Only that item: the session is intact and exact.
+        got = run_chain(chain, "s", 6, 0, TOKENS[:6])
+        assert got.tobytes() == ref_block(reference(tiny), TOKENS[:6]).tobytes()
+        assert head.cancel("s")
+        with pytest.raises(WorkCancelled, match="session"):
+            head.prefill("s", ShardWork(7, 6, (1,), None))
+
+    def test_release_health_metrics(self, chain):
+        head, _ = chain
+        assert head.health().is_serving and head.health().sessions == 0
+        before = head.metrics()
+        self._open(chain)
+        run_chain(chain, "s", 1, 0, TOKENS[:6])
+        m = head.metrics()
+        assert (m.sessions, m.steps - before.steps, m.rows - before.rows) == (1, 1, 6)
+        assert m.kv_bytes > 0 and m.busy_s > 0
+        assert head.health().sessions == 1
+        assert head.release("s") and not head.release("s")
+        assert head.metrics().kv_bytes == 0

@@ -1,0 +1,107 @@
+"""Helpers for the shard tests: in-process workers on 127.0.0.1:0, engine chains, frames."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import AsyncIterator
+
+import grpc
+import numpy as np
+import pytest
+
+from inference_engine.shard.engine import ShardEngine
+from inference_engine.shard.servicer import ShardRuntimeServicer, start_shard_server
+from inference_engine.shard.types import ShardWork
+from inference_engine.v1 import shard_runtime_pb2 as pb
+from inference_engine.v1 import shard_runtime_pb2_grpc as pb_grpc
+from inference_engine.verifier.kv_cache import CacheGeometry
+from inference_engine.verifier.sink_window_verifier import SinkWindowVerifier
+
+GEOMETRY = CacheGeometry(sink=2, window=5, max_block=4, max_rollback=4)
+
+
+@contextlib.asynccontextmanager
+async def shard_server(
+    engine: ShardEngine, max_credits: int = 8,
+) -> AsyncIterator[tuple[pb_grpc.ShardRuntimeStub, str, ShardRuntimeServicer]]:
+    """A real grpc.aio ShardRuntime server on 127.0.0.1:0; yields a stub, its address and the servicer."""
+    server, port, servicer = await start_shard_server(engine, "127.0.0.1", 0, max_credits=max_credits)
+    address = f"127.0.0.1:{port}"
+    channel = grpc.aio.insecure_channel(address)
+    try:
+        yield pb_grpc.ShardRuntimeStub(channel), address, servicer
+    finally:
+        await channel.close()
+        servicer.fail_sessions("test over")
+        await server.stop(0.5)
+        servicer.close()
+
+
+def run_chain(chain: list[ShardEngine], sid: str, work_id: int, position: int, tokens: list[int],
+              all_logits: bool = True, decode: bool = False) -> np.ndarray:
+    """Push a block through engines head..tail in-process; returns the tail's logits."""
+    hidden = None
+    for engine in chain:
+        head = engine.capabilities().is_head
+        work = ShardWork(work_id, position, tuple(tokens) if head else (), hidden, all_logits)
+        out = (engine.decode if decode else engine.prefill)(sid, work)
+        assert (out.work_id, out.position, out.next_position) == (work_id, position, position + len(tokens))
+        hidden = out.tensor
+    return hidden
+
+
+def reference(loaded, geometry: CacheGeometry = GEOMETRY) -> SinkWindowVerifier:
+    """A single-process verifier over the whole model with `geometry`."""
+    s = loaded.spec
+    return SinkWindowVerifier(loaded.model, geometry, s.num_kv_heads, s.head_dim, s.num_layers)
+
+
+def ref_block(v: SinkWindowVerifier, tokens: list[int], all_logits: bool = True, keep: int | None = None) -> np.ndarray:
+    """Forward a block on the reference and keep `keep` of it (default all); returns its logits."""
+    out = np.array(v.forward_block(tokens, all_logits=all_logits))
+    v.commit_or_truncate(len(tokens), len(tokens) if keep is None else keep)
+    return out
+
+
+def open_msg(rsid: str = "s", epoch: int = 1, geometry: CacheGeometry = GEOMETRY, credits: int = 0,
+             deadline_ns: int = 0) -> pb.ShardRequestFrame:
+    """A SessionOpen frame."""
+    return pb.ShardRequestFrame(open=pb.SessionOpen(
+        route_session_id=rsid, route_epoch=epoch, deadline_unix_nanos=deadline_ns, sink_tokens=geometry.sink,
+        window_tokens=geometry.window, max_block=geometry.max_block, max_rollback=geometry.max_rollback,
+        requested_credits=credits))
+
+
+def chunk_msg(step: int, position: int, tokens: list[int], epoch: int = 1, rsid: str = "s", deadline_ns: int = 0,
+              hidden: pb.ActivationTensor | None = None, all_logits: bool = True) -> pb.ShardRequestFrame:
+    """An ActivationChunk frame (token ids, or a prepared hidden tensor)."""
+    c = pb.ActivationChunk(route_session_id=rsid, route_epoch=epoch, deadline_unix_nanos=deadline_ns,
+                           idempotency_step=step, position=position, token_ids=tokens, all_logits=all_logits)
+    if hidden is not None:
+        c.hidden.CopyFrom(hidden)
+    return pb.ShardRequestFrame(chunk=c)
+
+
+async def opened(stub: pb_grpc.ShardRuntimeStub, **kw: object) -> grpc.aio.StreamStreamCall:
+    """A Session stream whose SessionOpen was accepted."""
+    call = stub.Session()
+    await call.write(open_msg(**kw))
+    reply = await call.read()
+    assert reply.HasField("accepted"), reply
+    return call
+
+
+async def fails_closed(call: grpc.aio.StreamStreamCall, code: int, status: grpc.StatusCode) -> pb.ShardError:
+    """Read to the error frame that closes the session and the status that ends the stream."""
+    while True:
+        reply = await call.read()
+        assert reply is not grpc.aio.EOF, "stream ended without an error frame"
+        if reply.HasField("error") and reply.error.session_closed:
+            break
+    assert reply.error.code == code, reply.error
+    assert not reply.error.retryable
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await call.read()
+    assert err.value.code() == status, err.value
+    assert err.value.details().startswith(pb.ShardErrorCode.Name(code).removeprefix("SHARD_ERROR_"))
+    return reply.error

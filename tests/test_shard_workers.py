@@ -1,0 +1,99 @@
+"""Real `shard-worker` processes: a head/middle/tail route of the packaged SmolLM2-135M is
+bitwise the single-process verifier (chunk edges, window wrap, a trim); SIGTERM exits 0."""
+
+import signal
+import subprocess
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from inference_engine.shard.pipeline import ShardPipeline
+from inference_engine.verifier.kv_cache import CacheGeometry
+from inference_engine.verifier.sink_window_verifier import state_digest
+from tests.shard_helpers import ref_block, reference
+
+pytestmark = pytest.mark.real_model
+SINK, WINDOW, ROLLBACK = 4, 24, 8
+
+
+def _spawn(layers: str, *flags: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "inference_engine", "shard-worker", "--layers", layers, "--port", "0",
+         "--max-rollback", str(ROLLBACK), *flags],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def _ready(proc: subprocess.Popen) -> str:
+    line = proc.stdout.readline()
+    assert line.startswith("listening on 127.0.0.1:"), (line, proc.stderr.read() if proc.poll() is not None else "")
+    return line.split()[-1]
+
+
+@pytest.fixture(scope="module")
+def workers(real_model_path):
+    procs = [_spawn("0:10"), _spawn("10:20", "--inject-faults", "delay=0"), _spawn("20:30")]
+    try:
+        yield procs, [_ready(p) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+async def test_three_worker_route_is_bitwise_the_single_process(workers, real_model, real_engine):
+    _, addresses = workers
+    tokens = np.random.default_rng(5).integers(0, real_model.spec.vocab_size, 100).tolist()
+    async with ShardPipeline(addresses) as route:
+        assert [str(c.layers) for c in route.capabilities] == ["0:10", "10:20", "20:30"]
+        assert real_engine.block <= route.max_block
+        geometry = await route.open("exact", SINK, WINDOW, max_block=real_engine.block)
+        assert geometry == CacheGeometry(SINK, WINDOW, real_engine.block, ROLLBACK)
+        ref, position = reference(real_model, geometry), 0
+        # (block, keep): a prefill, decode rows, blocks longer than the tile, and a draft of 8
+        # of which 3 are kept (trim 5) after the window has wrapped.
+        plan = [(20, None), (1, None), (1, None), (13, None), (16, None), (8, 3), (1, None), (12, None), (1, None)]
+        for n, keep in plan:
+            block = tokens[position : position + n]
+            all_logits = position > 0
+            got = await route.forward("exact", block, all_logits=all_logits)
+            want = ref_block(ref, block, all_logits, keep=keep)
+            assert got.shape == want.shape and got.tobytes() == want.tobytes(), (position, n)
+            if keep is not None:
+                assert await route.trim("exact", n - keep) == position + keep
+            position += n if keep is None else keep
+        assert position > SINK + WINDOW + real_engine.block + ROLLBACK  # the ring wrapped
+        assert route.position("exact") == ref.next_global_position == position
+        digests = await route.layer_digests("exact")
+        assert len(digests) == 30 and digests == [c.digest() for c in ref.cache]
+        route_digest = state_digest(mx.array(got[-1]), ref.cached_token_sequence, position, digests)
+        assert route_digest == ref.state_digest()
+        assert await route.release("exact")
+
+
+def test_workers_exit_0_on_sigterm_and_refuse_bad_ranges(workers, real_model_path):
+    procs, _ = workers
+    bad = _spawn("25:40")
+    for p in procs:
+        p.send_signal(signal.SIGTERM)
+    errs = []
+    for p in procs:
+        assert p.wait(timeout=60) == 0
+        errs.append(p.stderr.read())
+    assert all("BLAS in use" in e and "listening" not in e and "stopped" in e for e in errs)
+    assert "TEST FIXTURE" in errs[1] and "TEST FIXTURE" not in errs[0]
+    assert bad.wait(timeout=120) == 2
+    assert "exceeds the model's 30 layers" in bad.stderr.read()
+
+
+@pytest.mark.parametrize("flags,match", [
+    (["--layers", "5"], "START:END"),
+    (["--layers", "0:2", "--inject-faults", "boom=1"], "unknown fault"),
+    (["--layers", "0:2", "--max-credits", "0"], "--max-credits"),
+])
+def test_bad_flags_are_usage_errors(flags, match):
+    out = subprocess.run([sys.executable, "-m", "inference_engine", "shard-worker", *flags],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and match in out.stderr
