@@ -1,0 +1,84 @@
+"""`scripts/bench.py --quick` as CI runs it: every section of the JSON is present and sane."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from inference_engine.blas import find_openblas
+
+pytestmark = pytest.mark.real_model
+ROOT = Path(__file__).resolve().parents[1]
+ENGINES = ("server", "in_process", "mlx_lm", "llama_cpp")
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory, real_model_path: Path) -> dict:
+    out = tmp_path_factory.mktemp("bench") / "bench.json"
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--quick", "--out", str(out)],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert "decode tok/s" in run.stdout and f"wrote {out}" in run.stdout
+    return json.loads(out.read_text())
+
+
+def _positive(summary: dict) -> bool:
+    return summary["n"] >= 1 and 0 < summary["min"] <= summary["median"] <= summary["max"]
+
+
+def test_meta_and_blas(report):
+    meta = report["meta"]
+    assert meta["quick"] is True and meta["plan"]["new_tokens"] >= 2
+    if find_openblas():
+        assert meta["blas"].startswith("openblas") and report["engines"]["server"]["blas"].startswith("openblas")
+
+
+@pytest.mark.parametrize("name", ENGINES[:3])
+def test_mlx_engines_have_every_figure(report, name):
+    e = report["engines"][name]
+    assert e["available"] and e["new_tokens"] == report["meta"]["plan"]["new_tokens"]
+    for key in ("decode_tok_s", "per_token_ms", "ttft_ms", "prefill_tok_s"):
+        assert _positive(e[key]), (key, e[key])
+    assert 0 < e["fraction_of_limit"] < 1.5 and e["limit_tok_s"] == report["limit"]["tok_s_fp32"]
+
+
+def test_server_decodes_exactly_what_the_in_process_engine_does(report):
+    eng = report["engines"]
+    assert eng["server"]["greedy_prefix_agreement"] == eng["server"]["new_tokens"]
+    assert eng["in_process"]["greedy_prefix_agreement"] == eng["in_process"]["new_tokens"]
+    assert eng["server"]["mode"] == eng["in_process"]["mode"]
+
+
+def test_llama_cpp_measured_or_explained(report):
+    e = report["engines"]["llama_cpp"]
+    if e["available"]:
+        assert _positive(e["decode_tok_s"]) and _positive(e["prefill_tok_s"])
+        assert e["limit_tok_s"] == report["limit"]["tok_s_gguf"]
+    else:
+        assert e["reason"]
+
+
+def test_limit_ratios_and_overhead(report):
+    bw, lim = report["bandwidth"], report["limit"]
+    assert 0.5 < bw["gb_s"] < 2000 and lim["bandwidth_gb_s"] == bw["gb_s"]
+    assert 400e6 < lim["weight_bytes_fp32"] < 700e6 and 50e6 < lim["weight_bytes_gguf"] < 150e6  # 135M params
+    assert lim["tok_s_gguf"] > lim["tok_s_fp32"] > 0
+    assert set(report["ratios"]) >= {"server/in_process", "in_process/mlx_lm"}
+    assert all(r > 0 for r in report["ratios"].values())
+    assert isinstance(report["grpc_overhead_ms_per_token"], float)
+
+
+def test_append_latency_at_short_and_wrapped_history(report):
+    a = report["append_latency"]
+    assert a["long"]["history"] > a["window"] > a["short"]["history"]
+    assert a["long"]["cached_tokens"] > a["short"]["cached_tokens"]  # the long session's window is full
+    assert _positive(a["short"]["ms"]) and _positive(a["long"]["ms"]) and a["long_over_short"] > 0
+
+
+def test_server_rss_grows_with_sessions(report):
+    m = report["server_rss"]
+    sessions = report["meta"]["plan"]["sessions"]
+    assert 100 < m["idle_mib"] <= m[f"sessions_{sessions}_mib"] and m["sessions_1_mib"] > 100
+    assert m["kv_bytes_per_session"] > 0
