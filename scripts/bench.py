@@ -73,6 +73,7 @@ class Plan:
     append_reps: int  # AppendTokens calls per history length
     short_history: int  # history before the short-history appends
     long_history: int  # history before the long-history appends (> window: wrapped)
+    filled_history: int  # just past sink + window: attention reads every slot from here on
     window: int  # server default window (sink stays the server default)
     sessions: int  # sessions open for the second RSS figure (also the server's pool)
     bandwidth_bytes: int  # buffer size of the bandwidth probe
@@ -80,9 +81,9 @@ class Plan:
 
 
 FULL = Plan(new_tokens=128, prefill_tokens=512, reps=5, append_reps=10, short_history=100, long_history=4000,
-            window=1024, sessions=8, bandwidth_bytes=2 << 30)
+            filled_history=1100, window=1024, sessions=8, bandwidth_bytes=2 << 30)
 QUICK = Plan(new_tokens=8, prefill_tokens=32, reps=1, append_reps=2, short_history=20, long_history=200,
-             window=64, sessions=8, bandwidth_bytes=256 << 20)
+             filled_history=80, window=64, sessions=8, bandwidth_bytes=256 << 20)
 
 
 @dataclass
@@ -322,9 +323,13 @@ def measure_rss(server: ServerProcess, plan: Plan, prompts: Prompts) -> dict[str
 
 
 def measure_append_latency(server: ServerProcess, plan: Plan, prompts: Prompts) -> dict[str, Any]:
-    """AppendTokens of `append_tokens` tokens at a short history and at a wrapped long one."""
+    """AppendTokens of `append_tokens` tokens at a short history, just past the window, and far past it.
+
+    Until the window fills, attention reads only the filled part of the ring (cheaper);
+    from then on the cost is flat however long the session: long/filled should be ~1.
+    """
     out: dict[str, Any] = {"tokens": plan.append_tokens, "window": plan.window}
-    for name, history in (("short", plan.short_history), ("long", plan.long_history)):
+    for name, history in (("short", plan.short_history), ("filled", plan.filled_history), ("long", plan.long_history)):
         sid = server.session(prompts.text(history))
         times = [server.append(sid, prompts.text(plan.append_tokens, history + i * plan.append_tokens)) * 1e3
                  for i in range(plan.append_reps)]
@@ -332,6 +337,7 @@ def measure_append_latency(server: ServerProcess, plan: Plan, prompts: Prompts) 
         out[name] = {"history": history, "cached_tokens": info.cached_tokens, "ms": summary(times)}
         server.close_session(sid)
     out["long_over_short"] = out["long"]["ms"]["median"] / out["short"]["ms"]["median"]
+    out["long_over_filled"] = out["long"]["ms"]["median"] / out["filled"]["ms"]["median"]
     return out
 
 
@@ -387,6 +393,91 @@ def start_in_process(plan: Plan, prompts: Prompts, model_dir: Path, stack: ExitS
     contender = Contender(lambda n: loop.run_until_complete(decode(n)), lambda: loop.run_until_complete(prefill()),
                           {"mode": mode})
     return contender, mlx_weight_bytes(loaded.model)
+
+
+# ---------------------------------------------------------------------------- shard pipeline (--pipeline)
+
+PIPELINE_RANGES = ("0:10", "10:20", "20:30")  # head / middle / tail of the 30-block SmolLM2-135M
+
+
+def measure_pipeline(plan: Plan, prompts: Prompts, model_dir: Path) -> dict[str, Any]:
+    """Greedy decode tok/s over a 3-worker shard route vs the same Runtime in one process.
+
+    Three `shard-worker` subprocesses (PIPELINE_RANGES, started at the single process's
+    probed block) serve the route; both runtimes run in this process over one event loop
+    and are measured round-robin. Per-hop latency is `ShardPipeline.hop_stats` over the
+    route's timed repetitions: from sending a hop its frame to its checked answer (hops run
+    one after another, head first, so a step costs the sum of its hops).
+    """
+    from inference_engine.config import ServerConfig
+    from inference_engine.model.loader import load_model
+    from inference_engine.runtime.runtime import Runtime
+    from inference_engine.runtime.types import AppendParams, CreateSessionParams, GenerateChunk, GenerateParams
+    from inference_engine.server.server import build_engine
+    from inference_engine.shard.pipeline import ShardPipeline
+    from inference_engine.shard.remote_executor import ShardRoute
+
+    cfg = ServerConfig(port=0, default_window=plan.window, max_sessions=2, draft_model=None)
+    loaded = load_model(model_dir)
+    engines = {"single_process": build_engine(cfg, loaded), "pipeline": build_engine(cfg, loaded)}
+    block = engines["single_process"].block
+    workers = [subprocess.Popen([sys.executable, "-m", "inference_engine", "shard-worker", "--layers", r,
+                                 "--port", "0", "--block", str(block), "--max-rollback", str(cfg.max_rollback + 1)],
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+               for r in PIPELINE_RANGES]
+    loop = asyncio.new_event_loop()
+    try:
+        addresses = []
+        for w in workers:
+            line = w.stdout.readline()
+            if not line.startswith("listening on "):
+                raise RuntimeError(f"shard worker did not start: {line!r}")
+            addresses.append(line.split()[-1])
+        pipeline = ShardPipeline(addresses)
+        loop.run_until_complete(pipeline.connect())
+        engines["pipeline"].use_route(ShardRoute(pipeline, loop))
+        runtimes = {name: Runtime(e, cfg) for name, e in engines.items()}
+
+        async def decode(runtime: Runtime, n: int) -> Trace:
+            sid = (await runtime.create_session(CreateSessionParams((), "bench", 0, 0))).session_id
+            trace = Trace(time.perf_counter())
+
+            async def emit(chunk: GenerateChunk) -> None:
+                if chunk.tokens:
+                    trace.times.append(time.perf_counter())
+                    trace.tokens.extend(chunk.tokens)
+
+            await runtime.append_tokens(AppendParams(sid, tuple(prompts.chat)))
+            await runtime.generate(GenerateParams(sid, n, ignore_eos=True), emit)
+            await runtime.close_session(sid)
+            return trace
+
+        for runtime in runtimes.values():  # warm-up
+            loop.run_until_complete(decode(runtime, min(plan.new_tokens, 8)))
+        before = pipeline.hop_stats()
+        traces: dict[str, list[Trace]] = {name: [] for name in runtimes}
+        for _ in range(plan.reps):
+            for name, runtime in runtimes.items():
+                traces[name].append(loop.run_until_complete(decode(runtime, plan.new_tokens)))
+        hops = [{"address": a.address, "layers": str(a.layers), "calls": a.calls - b.calls,
+                 "mean_ms": 1e3 * (a.seconds - b.seconds) / max(1, a.calls - b.calls)}
+                for a, b in zip(pipeline.hop_stats(), before)]
+        loop.run_until_complete(pipeline.close())
+    finally:
+        for e in engines.values():
+            e.close()
+        loop.close()
+        for w in workers:
+            w.terminate()
+            w.wait(timeout=30)
+    out: dict[str, Any] = {"ranges": list(PIPELINE_RANGES), "block": block, "new_tokens": plan.new_tokens,
+                           "hops": hops}
+    for name, ts in traces.items():
+        out[name] = {"decode_tok_s": summary([t.decode_tok_s for t in ts])}
+    out["pipeline_over_single"] = (out["pipeline"]["decode_tok_s"]["median"]
+                                   / out["single_process"]["decode_tok_s"]["median"])
+    out["tokens_identical"] = all(a.tokens == b.tokens for a, b in zip(traces["pipeline"], traces["single_process"]))
+    return out
 
 
 # ---------------------------------------------------------------------------- mlx-lm
@@ -511,9 +602,9 @@ def print_table(report: dict[str, Any]) -> None:
           f"= {lim['tok_s_gguf']:.1f} tok/s")
     print(f"gRPC stream overhead: {report['grpc_overhead_ms_per_token']:+.2f} ms/token (server − in-process)")
     a = report["append_latency"]
-    print(f"AppendTokens({a['tokens']}) ms: history {a['short']['history']}: {fmt(a['short']['ms'], 2)}, "
-          f"history {a['long']['history']} (window {a['window']}, wrapped): {fmt(a['long']['ms'], 2)}; "
-          f"long/short {a['long_over_short']:.2f}")
+    print(f"AppendTokens({a['tokens']}) ms: " + ", ".join(
+        f"history {a[k]['history']}: {fmt(a[k]['ms'], 2)}" for k in ("short", "filled", "long"))
+        + f"; long/filled {a['long_over_filled']:.2f}, long/short {a['long_over_short']:.2f}")
     m = report["server_rss"]
     rss = ", ".join(f"{k.removesuffix('_mib')} {v:.0f}" for k, v in m.items() if k.endswith("_mib"))
     print(f"server RSS MiB: {rss}; KV per session {m['kv_bytes_per_session'] / 2**20:.1f} MiB")
@@ -570,6 +661,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="seconds-long subset (CI)")
     parser.add_argument("--out", type=Path, help="JSON path (default results/bench/<date>-<host>.json)")
     parser.add_argument("--llama-cpp-build-s", type=float, help="record how long building llama-cpp-python took")
+    parser.add_argument("--pipeline", action="store_true",
+                        help="also measure decode over a 3-worker shard route vs one process, and per-hop latency")
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else FULL
 
@@ -605,12 +698,20 @@ def main(argv: list[str] | None = None) -> int:
     weights = {"fp32": fp32_bytes, "gguf": gguf_weight_bytes(gguf)}
     report = build_report(plan, args.quick, model_dir, gguf, bandwidth, weights, results, append, rss,
                           args.llama_cpp_build_s)
+    if args.pipeline:
+        phase("shard pipeline: 3 workers vs single process")
+        report["pipeline"] = measure_pipeline(plan, prompts, model_dir)
     report["meta"].update(bench_wall_s=time.perf_counter() - t0, load_average_at_start=load_at_start)
 
     out = args.out or ROOT / "results" / "bench" / f"{report['meta']['date']}-{report['meta']['host']}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print_table(report)
+    if "pipeline" in report:
+        p = report["pipeline"]
+        print(f"pipeline {'/'.join(p['ranges'])}: decode {fmt(p['pipeline']['decode_tok_s'])} tok/s vs single "
+              f"process {fmt(p['single_process']['decode_tok_s'])} ({p['pipeline_over_single']:.2f}x); per hop ms "
+              + ", ".join(f"{h['layers']} {h['mean_ms']:.2f}" for h in p["hops"]))
     print(f"\nwrote {out}")
     return 0
 

@@ -75,6 +75,8 @@ def test_append_latency_at_short_and_wrapped_history(report):
     assert a["long"]["history"] > a["window"] > a["short"]["history"]
     assert a["long"]["cached_tokens"] > a["short"]["cached_tokens"]  # the long session's window is full
     assert _positive(a["short"]["ms"]) and _positive(a["long"]["ms"]) and a["long_over_short"] > 0
+    assert _positive(a["filled"]["ms"]) and a["long_over_filled"] > 0
+    assert a["filled"]["cached_tokens"] == a["long"]["cached_tokens"]  # both past the window: same work
 
 
 def test_server_rss_grows_with_sessions(report):

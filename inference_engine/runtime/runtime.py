@@ -137,29 +137,43 @@ class Runtime:
         state = _DecodeState()
         stop_ids = frozenset() if p.ignore_eos else frozenset(session.eos_token_ids)
         drafted = accepted = produced = 0
+        inflight: asyncio.Future[StepResult] | None = None
+
+        def next_step() -> asyncio.Future[StepResult]:
+            return asyncio.ensure_future(self.engine.run(
+                self._step, coord, state, p.mode, p.num_draft_tokens, p.max_new_tokens - produced, stop_ids
+            ))
+
         try:
             if not session.history:
                 raise InvariantViolation("the session has no tokens yet: call AppendTokens before Generate")
-            stop = StopReason.MAX_TOKENS
-            while produced < p.max_new_tokens:
-                if session.is_closed or self.is_shutting_down:
-                    stop = StopReason.CANCELLED
-                    break
-                step = await self.engine.run(
-                    self._step, coord, state, p.mode, p.num_draft_tokens, p.max_new_tokens - produced, stop_ids
-                )
+            stop = StopReason.CANCELLED if self._is_cancelled(session) else None
+            inflight = None if stop else next_step()
+            while inflight is not None:
+                step = await inflight
+                inflight = None
                 state.unsent = None  # handed to the transport from here on: it counts as sent
-                await emit(GenerateChunk(step.tokens))
                 produced += len(step.tokens)
                 drafted, accepted = drafted + step.drafted, accepted + step.accepted
                 if stop_ids.intersection(step.tokens):
                     stop = StopReason.EOS
-                    break
+                elif produced >= p.max_new_tokens:
+                    stop = StopReason.MAX_TOKENS
+                elif self._is_cancelled(session):
+                    stop = StopReason.CANCELLED
+                else:
+                    inflight = next_step()  # compute the next step while this one is written
+                await emit(GenerateChunk(step.tokens))
             await emit(GenerateChunk((), stop, len(session.history), drafted, accepted))
         finally:
-            if state.unsent is not None:  # cancelled before the step's tokens were sent
+            if inflight is not None:  # let the engine finish the step it is computing
+                await asyncio.wait([inflight])
+            if state.unsent is not None:  # its tokens were never handed to the stream
                 await self.engine.run(coord.retract, len(state.unsent.tokens), state.unsent.prior_logits)
             self.store.release(session)
+
+    def _is_cancelled(self, session: Session) -> bool:
+        return session.is_closed or self.is_shutting_down
 
     def _step(
         self, coord: AppendTokensCoordinator, state: _DecodeState, mode: DecodeMode, k: int, remaining: int,
