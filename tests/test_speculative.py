@@ -34,7 +34,9 @@ def test_prompt_lookup_proposals():
     assert d.propose([1, 2, 3, 4, 5, 1, 2, 3], 3) == [4, 5, 1]
     assert d.propose([1, 2, 3, 9, 2, 3], 2) == [9, 2]  # 2-gram match
     assert d.propose([7, 8, 9], 4) == []  # no match
-    assert d.propose([4, 4], 4) == [4]  # only what exists after the match
+    assert d.propose([4, 4, 4], 4) == [4]  # only what exists after the match
+    assert d.propose([4, 5, 4], 4) == []  # 1-gram matches are not proposed by default
+    assert PromptLookupDrafter(min_ngram=1).propose([4, 5, 4], 2) == [5, 4]
     assert d.propose([1, 2, 1, 3, 1, 2], 2) == [1, 3]  # longest n-gram, most recent match
 
 
@@ -71,13 +73,13 @@ async def test_session_gates_tiny(engine, drafter):
 async def test_speculative_counts_and_eos(engine):
     async with running_server(engine) as (stub, _):
         sid = (await stub.CreateSession(pb.CreateSessionRequest())).session_id
-        await stub.AppendTokens(pb.AppendTokensRequest(session_id=sid, tokens=PROMPT))
+        await stub.AppendTokens(pb.AppendTokensRequest(session_id=sid, tokens=PROMPT * 3))
         greedy = []
         async for m in stub.Generate(pb.GenerateRequest(session_id=sid, max_new_tokens=30, ignore_eos=True)):
             greedy += list(m.tokens)
         eos = greedy[12]
         sid = (await stub.CreateSession(pb.CreateSessionRequest(eos_token_ids=[eos]))).session_id
-        await stub.AppendTokens(pb.AppendTokensRequest(session_id=sid, tokens=PROMPT))
+        await stub.AppendTokens(pb.AppendTokensRequest(session_id=sid, tokens=PROMPT * 3))
         got, last = [], None
         req = pb.GenerateRequest(session_id=sid, max_new_tokens=30, mode=pb.DECODE_MODE_SPECULATIVE_LOOKUP, num_draft_tokens=8)
         async for m in stub.Generate(req):

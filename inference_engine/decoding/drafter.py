@@ -35,14 +35,17 @@ class Drafter(ABC):
 class PromptLookupDrafter(Drafter):
     """Copy what followed the latest earlier occurrence of the context's last n-gram."""
 
-    def __init__(self, max_ngram: int = 3, search_window: int = 8192):
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 2, search_window: int = 8192):
+        # Single-token matches are mostly noise in free text: each wrong draft costs a
+        # verification row, so they are not proposed by default.
         self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
         self.search_window = search_window
 
     def propose(self, context: list[int], k: int) -> list[int]:
-        """Longest suffix n-gram (n = max_ngram..1) matched most recently wins."""
+        """Longest suffix n-gram (n = max_ngram..min_ngram) matched most recently wins."""
         tail = context[-self.search_window :]
-        for n in range(min(self.max_ngram, len(tail) - 1), 0, -1):
+        for n in range(min(self.max_ngram, len(tail) - 1), self.min_ngram - 1, -1):
             suffix = tail[-n:]
             for j in range(len(tail) - n - 1, -1, -1):
                 if tail[j : j + n] == suffix:
