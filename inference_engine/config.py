@@ -38,6 +38,9 @@ class ServerConfig:
     max_tile: int = 16  # largest block size the probe tries
     plain_block: int = 64  # block size when exact is off
     grace_s: float = 10.0  # drain time for in-flight RPCs at shutdown
+    shards: tuple[str, ...] = ()  # host:port of running shard workers, head first (() = layers run here)
+    spawn_shards: tuple[str, ...] = ()  # layer ranges START:END of workers this server spawns and restarts
+    shard_recovery_timeout_s: float = 60.0  # how long a call waits for a silent shard route before UNAVAILABLE
 
 
 def add_server_flags(parser: argparse.ArgumentParser) -> None:
@@ -63,12 +66,23 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-exact", action="store_true", help="plain large blocks (not chunking-invariant)")
     parser.add_argument("--max-tile", type=int, default=d.max_tile)
     parser.add_argument("--grace", type=float, default=d.grace_s, help="seconds to drain RPCs on SIGTERM")
+    shards = parser.add_mutually_exclusive_group()
+    shards.add_argument("--shards", default="", metavar="HOST:PORT,...",
+                        help="run the model's layers on these running shard workers (head first)")
+    shards.add_argument("--spawn-shards", default="", metavar="A:B,B:C,...",
+                        help="spawn and supervise one shard worker per layer range (restarted if it dies)")
+    parser.add_argument("--shard-recovery-timeout", type=float, default=d.shard_recovery_timeout_s,
+                        help="seconds a call waits for a silent shard route before failing UNAVAILABLE")
 
 
 def _draft_choice(flag: str | None, model: str) -> str | None:
     if flag is None:
         return DRAFT_MODEL if model == DEFAULT_MODEL else None
     return None if flag.lower() == "none" else flag
+
+
+def _split(flag: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in flag.split(",") if part.strip())
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -84,6 +98,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_sink=args.max_sink, max_window=args.max_window, max_rollback=args.max_rollback,
         max_tokens_per_request=args.max_tokens_per_request, max_new_tokens=args.max_new_tokens,
         session_ttl_s=args.session_ttl, exact=not args.no_exact, max_tile=args.max_tile, grace_s=args.grace,
+        shards=_split(args.shards), spawn_shards=_split(args.spawn_shards),
+        shard_recovery_timeout_s=args.shard_recovery_timeout,
     )
     checks = {
         "--max-sessions": cfg.max_sessions >= 1,
@@ -93,6 +109,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         "--port": 0 <= cfg.port <= 65535,
         "--max-tile": cfg.max_tile >= 1,
         "--session-ttl": cfg.session_ttl_s > 0,
+        "--shards": all(a.rpartition(":")[0] and a.rpartition(":")[2].isdigit() for a in cfg.shards),
+        "--spawn-shards": all(r.count(":") == 1 and r.replace(":", "").isdigit() for r in cfg.spawn_shards),
+        "--shard-recovery-timeout": cfg.shard_recovery_timeout_s > 0,
     }
     bad = [flag for flag, ok in checks.items() if not ok]
     if bad:

@@ -462,7 +462,9 @@ def measure_pipeline(plan: Plan, prompts: Prompts, model_dir: Path) -> dict[str,
         hops = [{"address": a.address, "layers": str(a.layers), "calls": a.calls - b.calls,
                  "mean_ms": 1e3 * (a.seconds - b.seconds) / max(1, a.calls - b.calls)}
                 for a, b in zip(pipeline.hop_stats(), before)]
+        loop.run_until_complete(asyncio.sleep(0.2))  # closed sessions' releases reach the workers
         loop.run_until_complete(pipeline.close())
+        loop.run_until_complete(asyncio.sleep(0.1))  # the route's streams wind down before the loop closes
     finally:
         for e in engines.values():
             e.close()
@@ -470,6 +472,7 @@ def measure_pipeline(plan: Plan, prompts: Prompts, model_dir: Path) -> dict[str,
         for w in workers:
             w.terminate()
             w.wait(timeout=30)
+    # Hop calls include each repetition's prompt forward as well as its decode steps.
     out: dict[str, Any] = {"ranges": list(PIPELINE_RANGES), "block": block, "new_tokens": plan.new_tokens,
                            "hops": hops}
     for name, ts in traces.items():

@@ -15,6 +15,7 @@ from inference_engine.shard.types import ShardWork
 from inference_engine.v1 import shard_runtime_pb2 as pb
 from inference_engine.v1 import shard_runtime_pb2_grpc as pb_grpc
 from inference_engine.verifier.kv_cache import CacheGeometry
+from inference_engine.verifier.executor import LocalExecutor
 from inference_engine.verifier.sink_window_verifier import SinkWindowVerifier
 
 GEOMETRY = CacheGeometry(sink=2, window=5, max_block=4, max_rollback=4)
@@ -53,7 +54,7 @@ def run_chain(chain: list[ShardEngine], sid: str, work_id: int, position: int, t
 def reference(loaded, geometry: CacheGeometry = GEOMETRY) -> SinkWindowVerifier:
     """A single-process verifier over the whole model with `geometry`."""
     s = loaded.spec
-    return SinkWindowVerifier(loaded.model, geometry, s.num_kv_heads, s.head_dim, s.num_layers)
+    return SinkWindowVerifier(LocalExecutor(loaded.model, geometry, s.num_kv_heads, s.head_dim, s.num_layers))
 
 
 def ref_block(v: SinkWindowVerifier, tokens: list[int], all_logits: bool = True, keep: int | None = None) -> np.ndarray:

@@ -9,13 +9,17 @@ from __future__ import annotations
 import asyncio
 import logging
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, TypeVar
+from typing import TYPE_CHECKING, Callable, TypeVar
 
 from inference_engine.errors import EngineUnavailable
 from inference_engine.model.loader import LoadedModel
+from inference_engine.verifier.executor import LocalExecutor
 from inference_engine.verifier.kv_cache import CacheGeometry
 from inference_engine.verifier.sink_window_verifier import SinkWindowVerifier
 from inference_engine.verifier.tile_probe import ProbeResult, probe_tile
+
+if TYPE_CHECKING:
+    from inference_engine.shard.remote_executor import ShardRoute
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -23,7 +27,7 @@ log = logging.getLogger(__name__)
 
 def _verifier(loaded: LoadedModel, geometry: CacheGeometry) -> SinkWindowVerifier:
     s = loaded.spec
-    return SinkWindowVerifier(loaded.model, geometry, s.num_kv_heads, s.head_dim, s.num_layers)
+    return SinkWindowVerifier(LocalExecutor(loaded.model, geometry, s.num_kv_heads, s.head_dim, s.num_layers))
 
 
 def check_draft_compatible(target: LoadedModel, draft: LoadedModel) -> None:
@@ -42,8 +46,33 @@ def check_draft_compatible(target: LoadedModel, draft: LoadedModel) -> None:
             raise ValueError(f"draft model {draft.spec.name!r} uses a different tokenizer vocabulary than the target")
 
 
+def check_route_compatible(route: ShardRoute, block: int, rollback: int, loaded: LoadedModel) -> None:
+    """The route's workers must run this model and accept this engine's block and rollback.
+
+    Raises:
+        ValueError: what the route lacks and what this server needs.
+    """
+    from inference_engine.shard.mlx_engine import model_fingerprint
+
+    p = route.pipeline
+    head = p.capabilities[0]
+    if head.model_fingerprint != model_fingerprint(loaded.model):
+        raise ValueError(f"the shard route runs {head.model_name} ({head.num_layers} layers, fingerprint "
+                         f"{head.model_fingerprint[:12]}); this server loaded {loaded.spec.name} "
+                         f"({loaded.spec.num_layers} layers): both must run the same model")
+    if p.max_block < block or p.max_rollback < rollback:
+        raise ValueError(f"the shard route accepts blocks of {p.max_block} and rollback {p.max_rollback}; this "
+                         f"server needs block {block} (its probed tile) and rollback {rollback}: start the workers "
+                         f"with --max-rollback >= {rollback} (and --block >= {block} or a probe that reaches it)")
+
+
 class Engine:
-    """A loaded model, its probed block size and its compute thread."""
+    """A loaded model, its probed block size and its compute thread.
+
+    With a shard route the target's layers run on the route's workers (a RemoteExecutor
+    per session) at this engine's probed block, so results are bitwise the single
+    process; the draft model, if any, stays local.
+    """
 
     def __init__(
         self, loaded: LoadedModel, exact: bool, max_tile: int, plain_block: int, max_rollback: int,
@@ -64,8 +93,21 @@ class Engine:
             log.info("exact mode: block size %d (probe failures beyond it: %s)", self.block, list(self.probe.failures))
         else:
             log.warning("plain mode: block size %d; results depend on chunking", self.block)
+        self.route: ShardRoute | None = None  # set by use_route: the target's layers run on shard workers
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx-engine")
         self._closed = False
+
+    def use_route(self, route: ShardRoute) -> None:
+        """Run the target's layers on a shard route from now on (call before serving).
+
+        Sessions then get a RemoteExecutor at this engine's probed block and geometry, so
+        their results are bitwise those of this process.
+
+        Raises:
+            ValueError: the route runs another model or cannot take this block or rollback.
+        """
+        check_route_compatible(route, self.block, self.max_rollback + 1, self.loaded)
+        self.route = route
 
     @property
     def has_draft_model(self) -> bool:
@@ -81,8 +123,14 @@ class Engine:
         return CacheGeometry(sink=sink, window=window, max_block=self.block, max_rollback=self.max_rollback + 1)
 
     def make_verifier(self, sink: int, window: int) -> SinkWindowVerifier:
-        """A fresh verifier (allocates the session's KV slab). Call on the engine thread."""
-        return _verifier(self.loaded, self.geometry(sink, window))
+        """A fresh verifier (allocates the session's KV slab, here or on the route). Call on the engine thread."""
+        if self.route is None:
+            return _verifier(self.loaded, self.geometry(sink, window))
+        from inference_engine.shard.remote_executor import RemoteExecutor
+
+        g, s = self.geometry(sink, window), self.spec
+        nbytes = 2 * 4 * s.num_layers * s.num_kv_heads * g.slots * s.head_dim  # K and V, fp32, as one process
+        return SinkWindowVerifier(RemoteExecutor(self.route, g, nbytes))
 
     def make_draft_verifier(self, sink: int, window: int) -> SinkWindowVerifier:
         """A fresh cache over the draft model (same geometry). Call on the engine thread."""

@@ -10,4 +10,6 @@ Read in this order:
   grpc.aio ShardRuntime service and its fail-closed stream protocol.
 - `worker.py` / `worker_config.py`: the `shard-worker` process.
 - `hop_stream.py` and `pipeline.py`: the client, `ShardPipeline`, that drives a route.
+- `remote_executor.py`: a verifier's layers on a route (the server's side: replay after failures);
+  `supervisor.py`: the workers `serve --spawn-shards` starts and restarts.
 """

@@ -37,7 +37,14 @@ from inference_engine.shard.hop_stream import HopStream
 from inference_engine.shard.status_codes import error_of_rpc
 from inference_engine.shard.tensor_codec import decode_tensor
 from inference_engine.shard.types import LayerRange, ShardCapabilities, ShardHealth
-from inference_engine.shard.wire import CHANNEL_OPTIONS, MAX_ROWS, capabilities_of, digest_frame, trim_frame, work_frame
+from inference_engine.shard.wire import (
+    CLIENT_CHANNEL_OPTIONS,
+    MAX_ROWS,
+    capabilities_of,
+    digest_frame,
+    trim_frame,
+    work_frame,
+)
 from inference_engine.v1 import shard_runtime_pb2 as pb
 from inference_engine.v1 import shard_runtime_pb2_grpc as pb_grpc
 from inference_engine.verifier.kv_cache import CacheGeometry
@@ -118,7 +125,7 @@ class ShardPipeline:
                 workers do not run the same model.
         """
         if not self._channels:
-            self._channels = [grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS) for a in self.addresses]
+            self._channels = [grpc.aio.insecure_channel(a, options=CLIENT_CHANNEL_OPTIONS) for a in self.addresses]
             self._stubs = [pb_grpc.ShardRuntimeStub(c) for c in self._channels]
         replies = await asyncio.gather(*(self._unary(i, "GetCapability", pb.ShardCapabilityRequest())
                                          for i in range(len(self._stubs))))

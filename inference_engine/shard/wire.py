@@ -27,6 +27,9 @@ MAX_ROWS = 1 << 16  # rows in one ActivationChunk
 MAX_MESSAGE_BYTES = 256 << 20  # activations of long blocks and all-row logits are large
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+# Clients reconnect with a short backoff: a restarted worker is used again within a second.
+CLIENT_CHANNEL_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.initial_reconnect_backoff_ms", 200),
+                          ("grpc.min_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 1000)]
 _U63 = (1 << 63) - 1
 # Every bounded field, by name: inclusive (low, high).
 BOUNDS: dict[str, tuple[int, int]] = {

@@ -12,12 +12,10 @@ import hashlib
 from collections import deque
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 
 from inference_engine.errors import InvariantViolation
-from inference_engine.model.forward import forward
-from inference_engine.verifier.kv_cache import CacheGeometry, SinkWindowKVCache
+from inference_engine.verifier.executor import Executor
 
 
 def state_digest(logits: mx.array | None, cached_tokens: list[int], position: int, layer_digests: list[bytes]) -> str:
@@ -33,21 +31,20 @@ def state_digest(logits: mx.array | None, cached_tokens: list[int], position: in
 
 
 class SinkWindowVerifier:
-    """Per-session cache + next-token logits over a shared model."""
+    """Per-session bookkeeping + next-token logits over an executor (local or shard route)."""
 
-    def __init__(self, model: nn.Module, geometry: CacheGeometry, num_kv_heads: int, head_dim: int, num_layers: int):
-        self.model = model
-        self.geometry = geometry
-        self.cache = [SinkWindowKVCache(geometry, num_kv_heads, head_dim) for _ in range(num_layers)]
+    def __init__(self, executor: Executor):
+        self.executor = executor  # computes blocks and owns the K/V
+        self.geometry = executor.geometry
         self._sink_tokens: list[int] = []  # tokens at positions < sink
-        self._recent: deque[int] = deque(maxlen=geometry.ring)  # tokens at the latest positions
+        self._recent: deque[int] = deque(maxlen=self.geometry.ring)  # tokens at the latest positions
         self._logits: mx.array | None = None  # (V,) logits after the last committed token
         self._pending: tuple[list[int], mx.array, mx.array | None] | None = None  # tokens, logits, prior logits
 
     @property
     def next_global_position(self) -> int:
         """Global position the next token will take (== committed tokens)."""
-        return self.cache[0].offset - (len(self._pending[0]) if self._pending else 0)
+        return self.executor.offset - (len(self._pending[0]) if self._pending else 0)
 
     @property
     def next_token_logits(self) -> mx.array | None:
@@ -86,7 +83,7 @@ class SinkWindowVerifier:
             raise InvariantViolation("forward_block called while a previous block awaits commit_or_truncate")
         if not tokens:
             raise InvariantViolation("forward_block needs at least one token")
-        logits = forward(self.model, tokens, self.cache, all_logits=all_logits)
+        logits = self.executor.forward(list(tokens), all_logits)
         self._pending = (list(tokens), logits, self._logits)
         return logits
 
@@ -108,10 +105,9 @@ class SinkWindowVerifier:
         tokens, logits, prior = self._pending
         if logits.shape[0] != forwarded and accepted != forwarded:
             raise InvariantViolation("a block forwarded with last-row logits only must be accepted whole")
-        for c in self.cache:
-            c.trim(drop)
+        self.executor.trim(drop)
         self._pending = None
-        start = self.cache[0].offset - accepted
+        start = self.executor.offset - accepted
         for i, t in enumerate(tokens[:accepted]):
             (self._sink_tokens if start + i < self.geometry.sink else self._recent).append(t)
         if accepted == 0:
@@ -134,10 +130,9 @@ class SinkWindowVerifier:
             raise InvariantViolation("rollback while a block awaits commit_or_truncate")
         if n < 0 or n > min(self.geometry.max_rollback, self.next_global_position):
             raise InvariantViolation(f"cannot roll back {n} tokens (allowed 0..{self.geometry.max_rollback})")
-        for c in self.cache:
-            c.trim(n)
+        self.executor.trim(n)
         for i in range(n):
-            p = self.cache[0].offset + n - 1 - i  # position being removed (descending)
+            p = self.executor.offset + n - 1 - i  # position being removed (descending)
             (self._sink_tokens if p < self.geometry.sink else self._recent).pop()
         self._logits = logits
 
@@ -148,9 +143,9 @@ class SinkWindowVerifier:
         workers yields the same digest as one process.
         """
         return state_digest(self._logits, self.cached_token_sequence, self.next_global_position,
-                            [c.digest() for c in self.cache])
+                            self.executor.layer_digests())
 
     @property
     def nbytes(self) -> int:
         """Bytes of K/V storage held by this session (bounded by the geometry)."""
-        return sum(c.nbytes for c in self.cache)
+        return self.executor.nbytes

@@ -1,0 +1,115 @@
+"""WorkerSupervisor: the server's own shard workers (`serve --spawn-shards 0:10,10:20,20:30`).
+
+Each layer range runs as a `shard-worker` subprocess. The first start picks a free port;
+a worker that dies is restarted at the same address, so the route (and its clients'
+channels) stays the same and sessions recover by replay (see remote_executor.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import sys
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+READY_TIMEOUT_S = 300.0  # loading a layer range (and probing) can take a while on a busy machine
+RESTART_PAUSE_S = 0.5  # between failed restart attempts (e.g. the port is not free yet)
+
+
+@dataclass(frozen=True)
+class WorkerFlags:
+    """What every spawned worker is started with (mirrors the server's own limits)."""
+
+    host: str  # address the workers bind (the server uses loopback: they are its own children)
+    model: str  # packaged model name or mlx-lm folder (the server's)
+    block: int  # rows per chunk: the server's probed tile (same machine, same BLAS)
+    max_rollback: int  # the server's rollback room (its max_rollback + 1)
+    max_sessions: int  # route sessions per worker
+    max_sink: int  # largest sink
+    max_window: int  # largest window
+
+
+class WorkerSupervisor:
+    """Spawns one worker per layer range and restarts any that exits, at the same address."""
+
+    def __init__(self, layer_ranges: tuple[str, ...], flags: WorkerFlags):
+        self.layer_ranges = layer_ranges
+        self.flags = flags
+        self.addresses: list[str] = []  # host:port per range, once started
+        self.procs: list[asyncio.subprocess.Process | None] = [None] * len(layer_ranges)
+        self.restarts = 0  # workers restarted since start
+        self._watchers: list[asyncio.Task] = []
+        self._stopping = False
+
+    async def start(self) -> list[str]:
+        """Start every worker (in parallel) and supervise them; returns their addresses, head first.
+
+        Raises:
+            OSError: a worker did not become ready (its stderr is in the server's log).
+        """
+        ports = await asyncio.gather(*(self._spawn(i, 0) for i in range(len(self.layer_ranges))))
+        self.addresses = [f"{self.flags.host}:{p}" for p in ports]
+        self._watchers = [asyncio.get_running_loop().create_task(self._watch(i)) for i in range(len(ports))]
+        return self.addresses
+
+    async def _spawn(self, i: int, port: int) -> int:
+        """Start worker `i` on `port` (0 = any) and wait for its readiness line; returns its port."""
+        f = self.flags
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "inference_engine", "shard-worker", "--layers", self.layer_ranges[i],
+            "--host", f.host, "--port", str(port), "--model", f.model, "--block", str(f.block),
+            "--max-rollback", str(f.max_rollback), "--max-sessions", str(f.max_sessions),
+            "--max-sink", str(f.max_sink), "--max-window", str(f.max_window),
+            stdout=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL,
+        )
+        self.procs[i] = proc
+        try:
+            line = (await asyncio.wait_for(proc.stdout.readline(), READY_TIMEOUT_S)).decode()
+        except asyncio.TimeoutError:
+            line = ""
+        if not line.startswith("listening on "):
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+            raise OSError(f"shard worker {self.layer_ranges[i]} did not start (exit status {proc.returncode})")
+        log.info("shard worker %s (pid %d) listening on %s", self.layer_ranges[i], proc.pid, line.split()[-1])
+        return int(line.split()[-1].rsplit(":", 1)[1])
+
+    async def _watch(self, i: int) -> None:
+        port = int(self.addresses[i].rsplit(":", 1)[1])
+        while True:
+            proc = self.procs[i]
+            status = await proc.wait()
+            if self._stopping:
+                return
+            log.warning("shard worker %s (pid %d) exited with status %s; restarting it at %s",
+                        self.layer_ranges[i], proc.pid, status, self.addresses[i])
+            while not self._stopping:
+                try:
+                    await self._spawn(i, port)
+                    self.restarts += 1
+                    break
+                except OSError as exc:
+                    log.error("restarting shard worker %s failed: %s; retrying", self.layer_ranges[i], exc)
+                    await asyncio.sleep(RESTART_PAUSE_S)
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        """Stop supervising and end every worker (SIGTERM, then SIGKILL after `grace_s`)."""
+        self._stopping = True
+        for task in self._watchers:
+            task.cancel()
+        for proc in self.procs:
+            if proc is not None and proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.terminate()
+        for proc in self.procs:
+            if proc is None:
+                continue
+            try:
+                await asyncio.wait_for(proc.wait(), grace_s)
+            except asyncio.TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                await proc.wait()

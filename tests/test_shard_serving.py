@@ -1,0 +1,241 @@
+"""RuntimeService over a route of real `shard-worker` processes (packaged SmolLM2-135M, layers
+0:10 / 10:20 / 20:30): token streams and state_digest equal the single process through a
+window wrap and speculative rollbacks; a dead worker means UNAVAILABLE until it is back;
+with `serve --spawn-shards` a worker SIGKILLed mid-Generate is restarted and the stream
+continues exactly as an uninterrupted run."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from inference_engine.config import add_server_flags, config_from_args
+from inference_engine.runtime.engine import Engine, check_route_compatible
+from inference_engine.server.server import connect_shards
+from inference_engine.shard.pipeline import ShardPipeline
+from inference_engine.shard.remote_executor import ShardRoute
+from inference_engine.v1 import runtime_pb2 as pb
+from inference_engine.v1 import runtime_pb2_grpc as pb_grpc
+from tests.conftest import make_config, running_server
+
+pytestmark = pytest.mark.real_model
+SINK, WINDOW = 4, 24  # small: the ring wraps within the script
+RANGES = ("0:10", "10:20", "20:30")
+PROMPT = np.random.default_rng(11).integers(0, 49152, 40).tolist()
+MORE = np.random.default_rng(12).integers(0, 49152, 7).tolist()
+
+
+def _spawn_worker(layers: str, port: int = 0) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "inference_engine", "shard-worker", "--layers", layers, "--port", str(port),
+         "--max-rollback", "9"],  # the server's rollback room: its max_rollback (8) + 1
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )
+
+
+def _ready(proc: subprocess.Popen) -> str:
+    line = proc.stdout.readline()
+    assert line.startswith("listening on 127.0.0.1:"), line
+    return line.split()[-1]
+
+
+@pytest.fixture(scope="module")
+def workers(real_model_path):
+    procs = [_spawn_worker(r) for r in RANGES]
+    try:
+        yield procs, [_ready(p) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+async def _generate(stub, sid: str, n: int, mode=pb.DECODE_MODE_GREEDY, kill=None) -> list[int]:
+    tokens: list[int] = []
+    async for msg in stub.Generate(pb.GenerateRequest(session_id=sid, max_new_tokens=n, ignore_eos=True, mode=mode,
+                                                      num_draft_tokens=4)):
+        tokens += list(msg.tokens)
+        if kill is not None and len(tokens) >= 8:
+            kill()
+            kill = None
+    return tokens
+
+
+async def _script(stub, kill=None) -> tuple[list[int], str, pb.GetSessionInfoResponse]:
+    """Prefill, greedy, an append, speculative lookup (rollbacks), greedy past the wrap."""
+    sid = (await stub.CreateSession(pb.CreateSessionRequest(sink_tokens=SINK, window_tokens=WINDOW))).session_id
+    await stub.AppendTokens(pb.AppendTokensRequest(session_id=sid, tokens=PROMPT))
+    stream = await _generate(stub, sid, 20)
+    await stub.AppendTokens(pb.AppendTokensRequest(session_id=sid, tokens=MORE + stream[-6:]))
+    stream += await _generate(stub, sid, 16, mode=pb.DECODE_MODE_SPECULATIVE_LOOKUP)
+    stream += await _generate(stub, sid, 40, kill=kill)
+    info = await stub.GetSessionInfo(pb.GetSessionInfoRequest(session_id=sid))
+    assert info.history_length > SINK + WINDOW + 16 + 9  # the ring wrapped
+    return stream, sid, info
+
+
+@pytest.fixture(scope="module")
+def single_process(real_engine) -> tuple[list[int], str]:
+    """The uninterrupted single-process run of the script: its stream and final digest."""
+    async def run() -> tuple[list[int], str]:
+        async with running_server(real_engine) as (stub, _):
+            stream, _, info = await _script(stub)
+        return stream, info.state_digest
+
+    return asyncio.run(run())
+
+
+@contextlib.asynccontextmanager
+async def route_engine(real_model, addresses, recovery_s: float):
+    async with ShardPipeline(addresses) as pipeline:
+        engine = Engine(real_model, exact=True, max_tile=16, plain_block=64, max_rollback=8)
+        try:
+            engine.use_route(ShardRoute(pipeline, asyncio.get_running_loop(), recovery_s, retry_interval_s=0.1))
+            yield engine
+        finally:
+            engine.route.close()
+            await asyncio.to_thread(engine.close)
+
+
+async def test_route_serves_bitwise_the_single_process(workers, real_model, single_process):
+    _, addresses = workers
+    async with route_engine(real_model, addresses, 5.0) as engine, running_server(engine) as (stub, _):
+        stream, _, info = await _script(stub)
+        assert engine.route.pipeline.hop_stats()[2].calls > 0
+    want_stream, want_digest = single_process
+    assert stream == want_stream and len(stream) == 76
+    assert info.state_digest == want_digest and info.exact and info.kv_bytes > 0
+
+
+async def test_dead_worker_is_unavailable_until_it_is_back(workers, real_model, single_process):
+    procs, addresses = workers
+    async with route_engine(real_model, addresses, 1.0) as engine, running_server(engine) as (stub, _):
+        sid = (await stub.CreateSession(pb.CreateSessionRequest(sink_tokens=SINK, window_tokens=WINDOW))).session_id
+        await stub.AppendTokens(pb.AppendTokensRequest(session_id=sid, tokens=PROMPT[:30]))
+        procs[2].kill()
+        procs[2].wait()
+        for call in (stub.AppendTokens(pb.AppendTokensRequest(session_id=sid, tokens=PROMPT[30:])),
+                     stub.CreateSession(pb.CreateSessionRequest())):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "is not answering" in err.value.details() and "retry shortly" in err.value.details()
+        procs[2] = _spawn_worker(RANGES[2], int(addresses[2].rsplit(":", 1)[1]))
+        assert _ready(procs[2]) == addresses[2]
+        r = await stub.AppendTokens(pb.AppendTokensRequest(session_id=sid, tokens=PROMPT[30:]))
+        assert r.history_length == r.next_global_position == len(PROMPT)
+        first = await _generate(stub, sid, 20)
+    assert first == single_process[0][:20]  # replayed from the history: exactly where it left off
+
+
+def _server_log_pids(path, timeout_s: float = 10.0) -> dict[str, int]:
+    """Latest pid of each spawned worker from the server's log (timeout_s=0: what is there now)."""
+    end = time.monotonic() + timeout_s
+    while True:
+        found = dict(re.findall(r"shard worker (\d+:\d+) \(pid (\d+)\) listening", path.read_text()))
+        if len(found) == len(RANGES) or time.monotonic() >= end:
+            if len(found) < len(RANGES) and timeout_s:
+                raise AssertionError(path.read_text())
+            return {k: int(v) for k, v in found.items()}
+        time.sleep(0.1)
+
+
+async def test_spawned_worker_killed_mid_generate_continues_exactly(real_model_path, single_process, tmp_path):
+    log_path = tmp_path / "server.log"
+    with open(log_path, "w") as log_file:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "inference_engine", "serve", "--port", "0", "--spawn-shards", ",".join(RANGES),
+             "--draft-model", "none", "--max-sessions", "2", "--grace", "1"],
+            stdout=subprocess.PIPE, stderr=log_file, text=True,
+        )
+    try:
+        line = server.stdout.readline()
+        assert line.startswith("listening on 127.0.0.1:"), log_path.read_text()
+        pids = _server_log_pids(log_path)
+        async with grpc.aio.insecure_channel(line.split()[-1]) as channel:
+            stream, _, info = await _script(pb_grpc.RuntimeServiceStub(channel),
+                                            kill=lambda: _kill(pids["10:20"]))
+        assert "shard worker 10:20" in log_path.read_text().split("exited with status -9; restarting it")[0]
+        assert stream == single_process[0]
+        assert info.state_digest == single_process[1]
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=60) == 0
+        after = _server_log_pids(log_path)
+        assert after["10:20"] != pids["10:20"]  # the restarted worker logged its own pid
+        for pid in after.values():
+            with pytest.raises(ProcessLookupError):
+                _kill(pid, 0)  # every worker ended with the server
+    finally:
+        if server.poll() is None:
+            server.send_signal(signal.SIGTERM)  # a clean stop takes its workers with it
+            try:
+                server.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
+        for pid in _server_log_pids(log_path, timeout_s=0).values():
+            with contextlib.suppress(ProcessLookupError):
+                _kill(pid)  # a worker the server could not stop
+
+
+def _kill(pid: int, sig: int = signal.SIGKILL) -> None:
+    os.kill(pid, sig)
+
+
+async def test_connect_shards_checks_the_route(workers, real_model, real_engine, tiny):
+    _, addresses = workers
+    engine = Engine(real_model, exact=True, max_tile=16, plain_block=64, max_rollback=8)
+    try:
+        pipeline, supervisor = await connect_shards(make_config(shards=tuple(addresses)), engine)
+        assert supervisor is None and engine.route.pipeline is pipeline and pipeline.max_rollback >= 9
+        with pytest.raises(ValueError, match="needs block 64 .* and rollback 9"):
+            check_route_compatible(engine.route, 64, 9, real_model)
+        with pytest.raises(ValueError, match="this server loaded"):
+            check_route_compatible(engine.route, 1, 1, tiny)
+        await pipeline.close()
+    finally:
+        engine.close()
+    assert await connect_shards(make_config(), real_engine) == (None, None)
+    with pytest.raises(OSError, match="shard route 127.0.0.1:1: "):
+        await connect_shards(make_config(shards=("127.0.0.1:1",)), real_engine)
+    assert real_engine.route is None
+
+
+@pytest.mark.parametrize("flags,expected", [
+    (["--shards", "127.0.0.1:7001, 127.0.0.1:7002"], {"shards": ("127.0.0.1:7001", "127.0.0.1:7002")}),
+    (["--spawn-shards", "0:10,10:30", "--shard-recovery-timeout", "5"],
+     {"spawn_shards": ("0:10", "10:30"), "shard_recovery_timeout_s": 5.0}),
+    ([], {"shards": (), "spawn_shards": ()}),
+])
+def test_shard_flags(flags, expected):
+    cfg = config_from_args(_parser().parse_args(flags))
+    assert {k: getattr(cfg, k) for k in expected} == expected
+
+
+@pytest.mark.parametrize("flags", [["--shards", "7001"], ["--spawn-shards", "0-10"], ["--shard-recovery-timeout", "0"]])
+def test_bad_shard_flags(flags):
+    with pytest.raises(ValueError, match=flags[0]):
+        config_from_args(_parser().parse_args(flags))
+
+
+def test_shards_and_spawn_shards_exclude_each_other():
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["--shards", "h:1", "--spawn-shards", "0:30"])
+
+
+def _parser():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_server_flags(parser)
+    return parser
