@@ -1,9 +1,11 @@
-"""Leaving a process that used MLX from worker threads."""
+"""Process lifecycle: waiting for a stop signal, and leaving after MLX used worker threads."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+import signal
 import sys
 
 
@@ -27,3 +29,12 @@ def exit_now(status: int) -> None:
     sys.stdout.flush()  # pragma: no cover
     sys.stderr.flush()  # pragma: no cover
     os._exit(status)  # pragma: no cover
+
+
+async def wait_for_stop_signal() -> None:
+    """Return once SIGTERM or SIGINT arrives (call from the running event loop)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()

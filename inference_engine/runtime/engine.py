@@ -6,13 +6,12 @@ even if the awaiting RPC is cancelled, so session state is never left half-updat
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Callable, TypeVar
 
 from inference_engine.errors import EngineUnavailable
 from inference_engine.model.loader import LoadedModel
+from inference_engine.runtime.compute_thread import ComputeThread
 from inference_engine.verifier.executor import LocalExecutor
 from inference_engine.verifier.kv_cache import CacheGeometry
 from inference_engine.verifier.sink_window_verifier import SinkWindowVerifier
@@ -94,8 +93,9 @@ class Engine:
         else:
             log.warning("plain mode: block size %d; results depend on chunking", self.block)
         self.route: ShardRoute | None = None  # set by use_route: the target's layers run on shard workers
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx-engine")
-        self._closed = False
+        self._thread = ComputeThread(
+            "mlx-engine", lambda: EngineUnavailable("the engine is shutting down; retry against a live server")
+        )
 
     def use_route(self, route: ShardRoute) -> None:
         """Run the target's layers on a shard route from now on (call before serving).
@@ -138,24 +138,13 @@ class Engine:
         return _verifier(self.draft, self.geometry(sink, window))
 
     async def run(self, fn: Callable[..., T], *args: object) -> T:
-        """Run `fn(*args)` on the engine thread and return its result.
-
-        If the caller is cancelled, the work still completes before the cancellation
-        propagates, so callers can rely on state being consistent afterwards.
+        """Run `fn(*args)` on the engine thread (see ComputeThread.run).
 
         Raises:
             EngineUnavailable: the engine has been shut down.
         """
-        if self._closed:
-            raise EngineUnavailable("the engine is shutting down; retry against a live server")
-        fut = asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
-        try:
-            return await asyncio.shield(fut)
-        except asyncio.CancelledError:
-            await asyncio.wait([fut])
-            raise
+        return await self._thread.run(fn, *args)
 
     def close(self) -> None:
         """Stop accepting work and wait for the running item."""
-        self._closed = True
-        self._pool.shutdown(wait=True)
+        self._thread.close()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import time
 
 import grpc
@@ -21,6 +20,7 @@ from inference_engine.config import ServerConfig
 from inference_engine.errors import RuntimeServiceError
 from inference_engine.model.loader import LoadedModel, load_model
 from inference_engine.model.packaged import resolve_model_path
+from inference_engine.process_exit import wait_for_stop_signal
 from inference_engine.runtime.engine import Engine
 from inference_engine.runtime.runtime import Runtime
 from inference_engine.server.servicer import RuntimeServicer
@@ -112,11 +112,7 @@ async def serve(cfg: ServerConfig) -> None:
         runtime = Runtime(engine, cfg)
         server, port = await start_server(runtime, cfg.host, cfg.port)
         print(f"listening on {cfg.host}:{port}", flush=True)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
+        await wait_for_stop_signal()
         log.info("shutting down: draining in-flight RPCs for up to %.1fs", cfg.grace_s)
         await server.stop(cfg.grace_s)
         await runtime.stop()

@@ -9,10 +9,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
 
 from inference_engine.blas import active_blas
 from inference_engine.model.packaged import resolve_model_path
+from inference_engine.process_exit import wait_for_stop_signal
 from inference_engine.shard.engine import ShardEngine
 from inference_engine.shard.worker_config import ShardWorkerConfig, worker_config_from_args
 
@@ -49,11 +49,7 @@ async def serve_worker(cfg: ShardWorkerConfig) -> None:
     server, port, servicer = await start_shard_server(engine, cfg.host, cfg.port, max_credits=cfg.max_credits)
     try:
         print(f"listening on {cfg.host}:{port}", flush=True)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
+        await wait_for_stop_signal()
         log.info("shutting down: failing open sessions, draining RPCs for up to %.1fs", cfg.grace_s)
         servicer.fail_sessions("the shard worker is shutting down")
         await server.stop(cfg.grace_s)
