@@ -1,0 +1,1 @@
+"""Pieces of scripts/bench.py: plan and timing (core), contenders (engines), the report."""

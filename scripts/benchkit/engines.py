@@ -1,0 +1,342 @@
+"""The contenders: gRPC server, in-process runtime, shard pipeline, mlx-lm, llama.cpp."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+
+from benchkit.core import Contender, Plan, Prompts, ROOT, Trace, mlx_weight_bytes, summary
+
+
+# ---------------------------------------------------------------------------- server (gRPC)
+
+
+class ServerProcess:
+    """`python -m inference_engine serve --port 0` as a subprocess, with a sync stub."""
+
+    def __init__(self, plan: Plan):
+        self._log = tempfile.NamedTemporaryFile("w+", prefix="bench-server-", suffix=".log")
+        cmd = [sys.executable, "-m", "inference_engine", "serve", "--port", "0",
+               "--default-window", str(plan.window), "--max-sessions", str(plan.sessions)]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=self._log, text=True)
+        line = self.proc.stdout.readline()
+        if not line.startswith("listening on "):
+            self.close()
+            raise RuntimeError(f"server did not start: {line!r}\n{self.log()}")
+        import grpc
+
+        from inference_engine.v1 import runtime_pb2 as pb
+        from inference_engine.v1 import runtime_pb2_grpc as pb_grpc
+
+        self.pb = pb
+        self.channel = grpc.insecure_channel(line.split()[-1])
+        grpc.channel_ready_future(self.channel).result(timeout=30)
+        self.stub = pb_grpc.RuntimeServiceStub(self.channel)
+
+    def log(self) -> str:
+        self._log.seek(0)
+        return self._log.read()
+
+    def rss_mib(self) -> float:
+        """VmRSS of the server process in MiB."""
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        raise RuntimeError("no VmRSS in /proc status")
+
+    def session(self, tokens: list[int] | None = None) -> str:
+        sid = self.stub.CreateSession(self.pb.CreateSessionRequest(client_label="bench")).session_id
+        if tokens:
+            self.append(sid, tokens)
+        return sid
+
+    def append(self, sid: str, tokens: list[int]) -> float:
+        """AppendTokens; returns its wall time in seconds."""
+        t = time.perf_counter()
+        self.stub.AppendTokens(self.pb.AppendTokensRequest(session_id=sid, tokens=tokens))
+        return time.perf_counter() - t
+
+    def close_session(self, sid: str) -> None:
+        self.stub.CloseSession(self.pb.CloseSessionRequest(session_id=sid))
+
+    def prefill(self, prompt: list[int]) -> float:
+        """Seconds of one AppendTokens of `prompt` into a fresh session."""
+        sid = self.session()
+        dt = self.append(sid, prompt)
+        self.close_session(sid)
+        return dt
+
+    def decode(self, prompt: list[int], n: int) -> Trace:
+        sid = self.session()
+        trace = Trace(time.perf_counter())
+        self.append(sid, prompt)
+        for msg in self.stub.Generate(self.pb.GenerateRequest(session_id=sid, max_new_tokens=n, ignore_eos=True)):
+            if msg.tokens:
+                trace.times.append(time.perf_counter())
+                trace.tokens.extend(msg.tokens)
+        self.close_session(sid)
+        return trace
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if hasattr(self, "channel"):
+            self.channel.close()
+
+
+def start_server(plan: Plan, prompts: Prompts, stack: ExitStack) -> tuple[ServerProcess, Contender]:
+    """A real server process (closed by `stack`) and its gRPC decode/prefill."""
+    server = ServerProcess(plan)
+    stack.callback(server.close)
+    log = server.log()  # start-up lines come before "listening on"
+    blas, mode = re.search(r"BLAS in use: (.*)", log), re.search(r"(exact|plain) mode: block size (\d+)", log)
+    extra = {"blas": blas[1] if blas else "unknown", "mode": f"{mode[1]}, block size {mode[2]}" if mode else "unknown"}
+    return server, Contender(lambda n: server.decode(prompts.chat, n),
+                             lambda: server.prefill(prompts.text(plan.prefill_tokens)), extra)
+
+
+def measure_rss(server: ServerProcess, plan: Plan, prompts: Prompts) -> dict[str, Any]:
+    """Server VmRSS idle, with 1 and with `plan.sessions` sessions holding 64 tokens each."""
+    out: dict[str, Any] = {"idle_mib": server.rss_mib()}
+    sids = [server.session(prompts.text(64))]
+    out["sessions_1_mib"] = server.rss_mib()
+    sids += [server.session(prompts.text(64, start=64 * i)) for i in range(1, plan.sessions)]
+    out[f"sessions_{plan.sessions}_mib"] = server.rss_mib()
+    info = server.stub.GetSessionInfo(server.pb.GetSessionInfoRequest(session_id=sids[0]))
+    out["kv_bytes_per_session"] = info.kv_bytes
+    for sid in sids:
+        server.close_session(sid)
+    return out
+
+
+def measure_append_latency(server: ServerProcess, plan: Plan, prompts: Prompts) -> dict[str, Any]:
+    """AppendTokens of `append_tokens` tokens at a short history, just past the window, and far past it.
+
+    Until the window fills, attention reads only the filled part of the ring (cheaper);
+    from then on the cost is flat however long the session: long/filled should be ~1.
+    """
+    out: dict[str, Any] = {"tokens": plan.append_tokens, "window": plan.window}
+    for name, history in (("short", plan.short_history), ("filled", plan.filled_history), ("long", plan.long_history)):
+        sid = server.session(prompts.text(history))
+        times = [server.append(sid, prompts.text(plan.append_tokens, history + i * plan.append_tokens)) * 1e3
+                 for i in range(plan.append_reps)]
+        info = server.stub.GetSessionInfo(server.pb.GetSessionInfoRequest(session_id=sid))
+        out[name] = {"history": history, "cached_tokens": info.cached_tokens, "ms": summary(times)}
+        server.close_session(sid)
+    out["long_over_short"] = out["long"]["ms"]["median"] / out["short"]["ms"]["median"]
+    out["long_over_filled"] = out["long"]["ms"]["median"] / out["filled"]["ms"]["median"]
+    return out
+
+
+# ---------------------------------------------------------------------------- in-process runtime
+
+
+async def runtime_decode(runtime: Any, prompts: Prompts, n: int) -> Trace:
+    """One greedy decode repetition on a Runtime driven directly: fresh session, chat prompt, n tokens."""
+    from inference_engine.runtime.types import AppendParams, CreateSessionParams, GenerateChunk, GenerateParams
+
+    sid = (await runtime.create_session(CreateSessionParams((), "bench", 0, 0))).session_id
+    trace = Trace(time.perf_counter())
+
+    async def emit(chunk: GenerateChunk) -> None:
+        if chunk.tokens:
+            trace.times.append(time.perf_counter())
+            trace.tokens.extend(chunk.tokens)
+
+    await runtime.append_tokens(AppendParams(sid, tuple(prompts.chat)))
+    await runtime.generate(GenerateParams(sid, n, ignore_eos=True), emit)
+    await runtime.close_session(sid)
+    return trace
+
+
+def start_in_process(plan: Plan, prompts: Prompts, model_dir: Path, stack: ExitStack) -> tuple[Contender, int]:
+    """The server's Runtime and engine in this process, driven directly (no gRPC).
+
+    Returns:
+        (the contender, fp32 weight bytes of the model).
+    """
+    from inference_engine.config import ServerConfig
+    from inference_engine.model.loader import load_model
+    from inference_engine.runtime.runtime import Runtime
+    from inference_engine.runtime.types import AppendParams, CreateSessionParams
+    from inference_engine.server.server import build_engine
+
+    cfg = ServerConfig(port=0, default_window=plan.window, max_sessions=plan.sessions)
+    loaded = load_model(model_dir)
+    engine = build_engine(cfg, loaded)
+    runtime = Runtime(engine, cfg)
+
+    async def decode(n: int) -> Trace:
+        return await runtime_decode(runtime, prompts, n)
+
+    async def prefill() -> float:
+        sid = (await runtime.create_session(CreateSessionParams((), "bench", 0, 0))).session_id
+        t = time.perf_counter()
+        await runtime.append_tokens(AppendParams(sid, tuple(prompts.text(plan.prefill_tokens))))
+        dt = time.perf_counter() - t
+        await runtime.close_session(sid)
+        return dt
+
+    loop = asyncio.new_event_loop()  # the engine hands results back through this loop, as in the server
+    stack.callback(loop.close)
+    stack.callback(engine.close)
+    mode = f"{'exact' if engine.is_exact else 'plain'}, block size {engine.block}"
+    contender = Contender(lambda n: loop.run_until_complete(decode(n)), lambda: loop.run_until_complete(prefill()),
+                          {"mode": mode})
+    return contender, mlx_weight_bytes(loaded.model)
+
+
+# ---------------------------------------------------------------------------- shard pipeline (--pipeline)
+
+PIPELINE_RANGES = ("0:10", "10:20", "20:30")  # head / middle / tail of the 30-block SmolLM2-135M
+
+
+def measure_pipeline(plan: Plan, prompts: Prompts, model_dir: Path) -> dict[str, Any]:
+    """Greedy decode tok/s over a 3-worker shard route vs the same Runtime in one process.
+
+    Three `shard-worker` subprocesses (PIPELINE_RANGES, started at the single process's
+    probed block) serve the route; both runtimes run in this process over one event loop
+    and are measured round-robin. Per-hop latency is `ShardPipeline.hop_stats` over the
+    route's timed repetitions: from sending a hop its frame to its checked answer (hops run
+    one after another, head first, so a step costs the sum of its hops).
+    """
+    from inference_engine.config import ServerConfig
+    from inference_engine.model.loader import load_model
+    from inference_engine.runtime.runtime import Runtime
+    from inference_engine.server.server import build_engine
+    from inference_engine.shard.pipeline import ShardPipeline
+    from inference_engine.shard.remote_executor import ShardRoute
+
+    cfg = ServerConfig(port=0, default_window=plan.window, max_sessions=2, draft_model=None)
+    loaded = load_model(model_dir)
+    engines = {"single_process": build_engine(cfg, loaded), "pipeline": build_engine(cfg, loaded)}
+    block = engines["single_process"].block
+    workers = [subprocess.Popen([sys.executable, "-m", "inference_engine", "shard-worker", "--layers", r,
+                                 "--port", "0", "--block", str(block), "--max-rollback", str(cfg.max_rollback + 1)],
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+               for r in PIPELINE_RANGES]
+    loop = asyncio.new_event_loop()
+    try:
+        addresses = []
+        for w in workers:
+            line = w.stdout.readline()
+            if not line.startswith("listening on "):
+                raise RuntimeError(f"shard worker did not start: {line!r}")
+            addresses.append(line.split()[-1])
+        pipeline = ShardPipeline(addresses)
+        loop.run_until_complete(pipeline.connect())
+        engines["pipeline"].use_route(ShardRoute(pipeline, loop))
+        runtimes = {name: Runtime(e, cfg) for name, e in engines.items()}
+
+        def decode(runtime: Runtime, n: int):  # noqa: ANN202 - a coroutine for loop.run_until_complete
+            return runtime_decode(runtime, prompts, n)
+
+        for runtime in runtimes.values():  # warm-up
+            loop.run_until_complete(decode(runtime, min(plan.new_tokens, 8)))
+        before = pipeline.hop_stats()
+        traces: dict[str, list[Trace]] = {name: [] for name in runtimes}
+        for _ in range(plan.reps):
+            for name, runtime in runtimes.items():
+                traces[name].append(loop.run_until_complete(decode(runtime, plan.new_tokens)))
+        hops = [{"address": a.address, "layers": str(a.layers), "calls": a.calls - b.calls,
+                 "mean_ms": 1e3 * (a.seconds - b.seconds) / max(1, a.calls - b.calls)}
+                for a, b in zip(pipeline.hop_stats(), before)]
+        loop.run_until_complete(asyncio.sleep(0.2))  # closed sessions' releases reach the workers
+        loop.run_until_complete(pipeline.close())
+        loop.run_until_complete(asyncio.sleep(0.1))  # the route's streams wind down before the loop closes
+    finally:
+        for e in engines.values():
+            e.close()
+        loop.close()
+        for w in workers:
+            w.terminate()
+            w.wait(timeout=30)
+    # Hop calls include each repetition's prompt forward as well as its decode steps.
+    out: dict[str, Any] = {"ranges": list(PIPELINE_RANGES), "block": block, "new_tokens": plan.new_tokens,
+                           "hops": hops}
+    for name, ts in traces.items():
+        out[name] = {"decode_tok_s": summary([t.decode_tok_s for t in ts])}
+    out["pipeline_over_single"] = (out["pipeline"]["decode_tok_s"]["median"]
+                                   / out["single_process"]["decode_tok_s"]["median"])
+    out["tokens_identical"] = all(a.tokens == b.tokens for a, b in zip(traces["pipeline"], traces["single_process"]))
+    return out
+
+
+# ---------------------------------------------------------------------------- mlx-lm
+
+
+def start_mlx_lm(plan: Plan, prompts: Prompts, model_dir: Path) -> Contender:
+    """mlx-lm's own `stream_generate` on the same fp32 folder."""
+    import mlx_lm
+    from mlx_lm.generate import stream_generate
+
+    model, tokenizer = mlx_lm.load(str(model_dir))
+    tokenizer._eos_token_ids = set()  # decode a fixed token count, like ignore_eos
+
+    def decode(n: int) -> Trace:
+        trace = Trace(time.perf_counter())
+        for response in stream_generate(model, tokenizer, prompts.chat, max_tokens=n):
+            trace.times.append(time.perf_counter())
+            trace.tokens.append(response.token)
+        return trace
+
+    def prefill() -> float:
+        t = time.perf_counter()
+        next(iter(stream_generate(model, tokenizer, prompts.text(plan.prefill_tokens), max_tokens=1)))
+        return time.perf_counter() - t
+
+    return Contender(decode, prefill)
+
+
+# ---------------------------------------------------------------------------- llama.cpp
+
+
+def start_llama_cpp(plan: Plan, prompts: Prompts, gguf: Path, stack: ExitStack) -> Contender | str:
+    """llama-cpp-python on the GGUF the model was converted from (optional dependency).
+
+    Returns:
+        The contender, or why llama.cpp is unavailable.
+    """
+    try:
+        import llama_cpp
+    except Exception as exc:  # noqa: BLE001 - any import failure means "unavailable"
+        return f"llama-cpp-python not importable ({type(exc).__name__}: {exc}); pip install -r requirements-bench.txt"
+    try:
+        llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=2048, n_batch=512, n_threads=os.cpu_count(),
+                              seed=0, verbose=False)
+    except Exception as exc:  # noqa: BLE001
+        return f"llama.cpp could not load {gguf.name}: {type(exc).__name__}: {exc}"
+    stack.callback(llm.close)
+
+    def decode(n: int) -> Trace:
+        llm.reset()  # no prefix reuse between repetitions
+        trace = Trace(time.perf_counter())
+        for token in llm.generate(prompts.chat, temp=0.0, top_k=1, reset=True):
+            trace.times.append(time.perf_counter())
+            trace.tokens.append(int(token))
+            if len(trace.tokens) == n:
+                break
+        return trace
+
+    def prefill() -> float:
+        llm.reset()
+        t = time.perf_counter()
+        llm.eval(prompts.text(plan.prefill_tokens))
+        return time.perf_counter() - t
+
+    return Contender(decode, prefill, {"version": llama_cpp.__version__, "n_threads": os.cpu_count()})
