@@ -7,6 +7,8 @@ attention reads each row's canonical key list from the sink-window cache.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -49,7 +51,8 @@ def _attention(layer: nn.Module, x: mx.array, cache: SinkWindowKVCache) -> mx.ar
     return layer.o_proj(out.reshape(1, length, n_heads * head_dim))
 
 
-def _row_groups(geometry: CacheGeometry, start: int, length: int) -> list[tuple[int, int, int]]:
+@lru_cache(maxsize=64)
+def _row_groups(geometry: CacheGeometry, start: int, length: int) -> tuple[tuple[int, int, int], ...]:
     """Consecutive rows sharing a key extent: [(row_lo, row_hi, extent), ...]."""
     groups: list[tuple[int, int, int]] = []
     for i in range(length):
@@ -58,7 +61,7 @@ def _row_groups(geometry: CacheGeometry, start: int, length: int) -> list[tuple[
             groups[-1] = (groups[-1][0], i + 1, extent)
         else:
             groups.append((i, i + 1, extent))
-    return groups
+    return tuple(groups)  # cached: computed once per block, not once per layer
 
 
 def _block(layer: nn.Module, h: mx.array, cache: SinkWindowKVCache) -> mx.array:

@@ -58,6 +58,12 @@ class CacheGeometry:
         return list(range(min(self.sink, p + 1))) + list(range(max(self.sink, p - self.window), p + 1))
 
 
+@lru_cache(maxsize=64)
+def write_slots(geometry: CacheGeometry, start: int, length: int) -> mx.array:
+    """(length,) int32 storage slots of positions start..start+length-1 (shared by all layers)."""
+    return mx.array(geometry.slot_of(np.arange(start, start + length)).astype(np.int32))
+
+
 @lru_cache(maxsize=512)
 def row_mask(geometry: CacheGeometry, start: int, length: int) -> mx.array:
     """Validity of every storage slot for rows at positions start..start+length-1.
@@ -100,7 +106,7 @@ class SinkWindowKVCache:
         length = keys.shape[1]
         if length > g.max_block:
             raise ValueError(f"block of {length} rows exceeds max_block {g.max_block}")
-        write = mx.array(g.slot_of(np.arange(self.offset, self.offset + length)).astype(np.int32))
+        write = write_slots(g, self.offset, length)
         self.keys[:, write, :] = keys
         self.values[:, write, :] = values
         mask = row_mask(g, self.offset, length)
