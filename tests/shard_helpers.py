@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
-from typing import AsyncIterator
+import subprocess
+import sys
+from typing import AsyncIterator, Iterator
 
 import grpc
 import numpy as np
@@ -106,3 +108,31 @@ async def fails_closed(call: grpc.aio.StreamStreamCall, code: int, status: grpc.
     assert err.value.code() == status, err.value
     assert err.value.details().startswith(pb.ShardErrorCode.Name(code).removeprefix("SHARD_ERROR_"))
     return reply.error
+
+
+def spawn_worker(layers: str, *flags: str, port: int = 0, rollback: int, stderr: int = subprocess.DEVNULL) -> subprocess.Popen:
+    """A real `python -m inference_engine shard-worker` subprocess (wait for it with `worker_ready`)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "inference_engine", "shard-worker", "--layers", layers, "--port", str(port),
+         "--max-rollback", str(rollback), *flags],
+        stdout=subprocess.PIPE, stderr=stderr, text=True,
+    )
+
+
+def worker_ready(proc: subprocess.Popen) -> str:
+    """The worker's address from its readiness line (asserts the line)."""
+    line = proc.stdout.readline()
+    err = proc.stderr.read() if proc.stderr is not None and proc.poll() is not None else ""
+    assert line.startswith("listening on 127.0.0.1:"), (line, err)
+    return line.split()[-1]
+
+
+@contextlib.contextmanager
+def running_workers(procs: list[subprocess.Popen]) -> Iterator[tuple[list[subprocess.Popen], list[str]]]:
+    """Yield the workers and their addresses once ready; kill them all afterwards."""
+    try:
+        yield procs, [worker_ready(p) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()

@@ -27,6 +27,7 @@ from inference_engine.shard.remote_executor import ShardRoute
 from inference_engine.v1 import runtime_pb2 as pb
 from inference_engine.v1 import runtime_pb2_grpc as pb_grpc
 from tests.conftest import make_config, running_server
+from tests.shard_helpers import running_workers, spawn_worker, worker_ready
 
 pytestmark = pytest.mark.real_model
 SINK, WINDOW = 4, 24  # small: the ring wraps within the script
@@ -36,28 +37,13 @@ MORE = np.random.default_rng(12).integers(0, 49152, 7).tolist()
 
 
 def _spawn_worker(layers: str, port: int = 0) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "inference_engine", "shard-worker", "--layers", layers, "--port", str(port),
-         "--max-rollback", "9"],  # the server's rollback room: its max_rollback (8) + 1
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-    )
-
-
-def _ready(proc: subprocess.Popen) -> str:
-    line = proc.stdout.readline()
-    assert line.startswith("listening on 127.0.0.1:"), line
-    return line.split()[-1]
+    return spawn_worker(layers, port=port, rollback=9)  # the server's rollback room: its max_rollback (8) + 1
 
 
 @pytest.fixture(scope="module")
 def workers(real_model_path):
-    procs = [_spawn_worker(r) for r in RANGES]
-    try:
-        yield procs, [_ready(p) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
+    with running_workers([_spawn_worker(r) for r in RANGES]) as w:
+        yield w
 
 
 async def _generate(stub, sid: str, n: int, mode=pb.DECODE_MODE_GREEDY, kill=None) -> list[int]:
@@ -131,7 +117,7 @@ async def test_dead_worker_is_unavailable_until_it_is_back(workers, real_model, 
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
             assert "is not answering" in err.value.details() and "retry shortly" in err.value.details()
         procs[2] = _spawn_worker(RANGES[2], int(addresses[2].rsplit(":", 1)[1]))
-        assert _ready(procs[2]) == addresses[2]
+        assert worker_ready(procs[2]) == addresses[2]
         r = await stub.AppendTokens(pb.AppendTokensRequest(session_id=sid, tokens=PROMPT[30:]))
         assert r.history_length == r.next_global_position == len(PROMPT)
         first = await _generate(stub, sid, 20)

@@ -12,35 +12,20 @@ import pytest
 from inference_engine.shard.pipeline import ShardPipeline
 from inference_engine.verifier.kv_cache import CacheGeometry
 from inference_engine.verifier.sink_window_verifier import state_digest
-from tests.shard_helpers import ref_block, reference
+from tests.shard_helpers import ref_block, reference, running_workers, spawn_worker
 
 pytestmark = pytest.mark.real_model
 SINK, WINDOW, ROLLBACK = 4, 24, 8
 
 
 def _spawn(layers: str, *flags: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "inference_engine", "shard-worker", "--layers", layers, "--port", "0",
-         "--max-rollback", str(ROLLBACK), *flags],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
-
-
-def _ready(proc: subprocess.Popen) -> str:
-    line = proc.stdout.readline()
-    assert line.startswith("listening on 127.0.0.1:"), (line, proc.stderr.read() if proc.poll() is not None else "")
-    return line.split()[-1]
+    return spawn_worker(layers, *flags, rollback=ROLLBACK, stderr=subprocess.PIPE)
 
 
 @pytest.fixture(scope="module")
 def workers(real_model_path):
-    procs = [_spawn("0:10"), _spawn("10:20", "--inject-faults", "delay=0"), _spawn("20:30")]
-    try:
-        yield procs, [_ready(p) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
+    with running_workers([_spawn("0:10"), _spawn("10:20", "--inject-faults", "delay=0"), _spawn("20:30")]) as w:
+        yield w
 
 
 async def test_three_worker_route_is_bitwise_the_single_process(workers, real_model, real_engine):
