@@ -118,7 +118,13 @@ async def test_dead_worker_is_unavailable_until_it_is_back(workers, real_model, 
             assert "is not answering" in err.value.details() and "retry shortly" in err.value.details()
         procs[2] = _spawn_worker(RANGES[2], int(addresses[2].rsplit(":", 1)[1]))
         assert worker_ready(procs[2]) == addresses[2]
-        r = await stub.AppendTokens(pb.AppendTokensRequest(session_id=sid, tokens=PROMPT[30:]))
+        for attempt in range(30):  # the contract is "UNAVAILABLE: retry shortly": the channel may still be backing off
+            try:
+                r = await stub.AppendTokens(pb.AppendTokensRequest(session_id=sid, tokens=PROMPT[30:]))
+                break
+            except grpc.aio.AioRpcError as exc:
+                assert exc.code() == grpc.StatusCode.UNAVAILABLE and attempt < 29, exc
+                await asyncio.sleep(0.5)
         assert r.history_length == r.next_global_position == len(PROMPT)
         first = await _generate(stub, sid, 20)
     assert first == single_process[0][:20]  # replayed from the history: exactly where it left off
