@@ -1,8 +1,9 @@
 """The model as a function of (tokens, cache): one forward path for every step.
 
 Prefill, append, decode and verification all call `forward`: rows run in chunks of at
-most `max_block` (a tile size whose matmul bits were probed to be row-invariant), and
-attention reads each row's canonical key list from the sink-window cache.
+most `max_block` (a tile size whose matmul bits were probed to be row-invariant), each
+block runs as compiled pieces over fused projections (fused_block.py), and attention
+reads each row's canonical key list from the sink-window cache.
 """
 
 from __future__ import annotations
@@ -12,43 +13,23 @@ from functools import lru_cache
 import mlx.core as mx
 import mlx.nn as nn
 
+from inference_engine.model.fused_block import fused_block
 from inference_engine.verifier.kv_cache import CacheGeometry, SinkWindowKVCache
 
 
-def _attention(layer: nn.Module, x: mx.array, cache: SinkWindowKVCache) -> mx.array:
-    """Self-attention of one block over the sink-window key layout.
+def _block(layer: nn.Module, h: mx.array, cache: SinkWindowKVCache, offset: mx.array) -> mx.array:
+    """One transformer block on (1, L, hidden); the cache receives the L new K/V rows.
 
-    Args:
-        layer: an mlx-lm llama `Attention` (q/k/v/o projections and rope).
-        x: (1, L, hidden) normalized hidden states.
-        cache: this layer's cache; receives the L new K/V rows.
-    Returns:
-        (1, L, hidden) attention output after o_proj.
+    `offset` is cache.offset as an array (an input of the compiled pieces, so one trace
+    serves every position).
     """
-    _, length, _ = x.shape
-    n_heads, n_kv = layer.n_heads, layer.n_kv_heads
-    q = layer.q_proj(x).reshape(1, length, n_heads, -1).transpose(0, 2, 1, 3)  # (1, H, L, D)
-    k = layer.k_proj(x).reshape(1, length, n_kv, -1).transpose(0, 2, 1, 3)  # (1, n_kv, L, D)
-    v = layer.v_proj(x).reshape(1, length, n_kv, -1).transpose(0, 2, 1, 3)  # (1, n_kv, L, D)
-    q = layer.rope(q, offset=cache.offset)
-    k = layer.rope(k, offset=cache.offset)
-    start = cache.offset
-    keys, values, mask = cache.update_and_fetch(k[0], v[0])  # (n_kv, S, D) x2, (L, 1, 1, S)
-    head_dim = q.shape[-1]
-    q = (q[0] * layer.scale).transpose(1, 0, 2).reshape(length, n_kv, n_heads // n_kv, head_dim)  # (L, n_kv, rep, D)
-    outs = []
-    for lo, hi, extent in _row_groups(cache.geometry, start, length):
-        # Broadcast over rows: one small matmul per (row, kv head) over a key prefix that
-        # depends on the row's position only, so a row's bits never depend on the block.
-        ks, vs = keys[:, :extent, :], values[:, :extent, :]  # (n_kv, E, D)
-        scores = q[lo:hi] @ ks.transpose(0, 2, 1)[None]  # (l, n_kv, rep, E)
-        scores = mx.where(mask[lo:hi, ..., :extent], scores, mx.array(-mx.inf, dtype=scores.dtype))
-        # Row-local softmax from primitives: ~2x faster than mx.softmax on the CPU here.
-        weights = mx.exp(scores - mx.max(scores, axis=-1, keepdims=True))
-        probs = weights / mx.sum(weights, axis=-1, keepdims=True)
-        outs.append(probs @ vs[None])  # (l, n_kv, rep, D)
-    out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
-    return layer.o_proj(out.reshape(1, length, n_heads * head_dim))
+    f = fused_block(layer)
+    start, length = cache.offset, h.shape[1]
+    q, k, v = f.pre(h, offset, *f.pre_arrays)  # (L, n_kv, rep, D), (n_kv, L, D) x2
+    keys, values, mask = cache.update_and_fetch(k, v)  # (n_kv, S, D) x2, (L, 1, 1, S)
+    outs = [f.core(q[lo:hi], keys[:, :extent, :], values[:, :extent, :], mask[lo:hi, ..., :extent])
+            for lo, hi, extent in _row_groups(cache.geometry, start, length)]
+    return f.post(h, outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0), *f.post_arrays)
 
 
 @lru_cache(maxsize=64)
@@ -62,11 +43,6 @@ def _row_groups(geometry: CacheGeometry, start: int, length: int) -> tuple[tuple
         else:
             groups.append((i, i + 1, extent))
     return tuple(groups)  # cached: computed once per block, not once per layer
-
-
-def _block(layer: nn.Module, h: mx.array, cache: SinkWindowKVCache) -> mx.array:
-    h = h + _attention(layer.self_attn, layer.input_layernorm(h), cache)
-    return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
 def _lm_head(model: nn.Module, h: mx.array) -> mx.array:
@@ -84,8 +60,11 @@ def embed(model: nn.Module, tokens: mx.array) -> mx.array:
 
 def run_layers(model: nn.Module, h: mx.array, cache: list[SinkWindowKVCache], start: int, end: int) -> mx.array:
     """Run transformer blocks [start, end) on (1, L, hidden); cache[i] belongs to block start+i."""
+    if not cache:
+        return h
+    offset = mx.array(cache[0].offset, dtype=mx.int32)  # every block of a chunk starts at the same position
     for layer, layer_cache in zip(model.model.layers[start:end], cache):
-        h = _block(layer, h, layer_cache)
+        h = _block(layer, h, layer_cache, offset)
     return h
 
 

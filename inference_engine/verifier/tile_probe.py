@@ -13,6 +13,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from inference_engine.model.fused_block import fused_linears
+
 
 @dataclass(frozen=True)
 class ProbeResult:
@@ -56,7 +58,10 @@ def probe_tile(model: nn.Module, max_candidate: int = 16, trials: int = 2, seed:
         ProbeResult; `tile` 0 means even single rows are not repeatable.
     """
     rng = np.random.default_rng(seed)
-    fns = {shape: (lambda x, m=m: m(x)) for shape, m in _linears(model).items()}
+    linears = _linears(model)
+    for fused in fused_linears(model):  # the projections forward actually runs
+        linears.setdefault((_in_dim(fused), fused.weight.shape[0]), fused)
+    fns = {shape: (lambda x, m=m: m(x)) for shape, m in linears.items()}
     embed = model.model.embed_tokens
     hidden = embed.weight.shape[1] if not isinstance(embed, nn.QuantizedEmbedding) else embed.dims
     fns[(hidden, model.args.vocab_size)] = lambda x: embed.as_linear(x)

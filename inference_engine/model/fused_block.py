@@ -1,0 +1,189 @@
+"""A transformer block as three compiled pieces over fused projections.
+
+On the CPU a decode step is dominated by dispatching small ops, not by arithmetic: RoPE and
+RMSNorm run as a dozen elementwise ops each, and every linear is its own BLAS call. So:
+
+- q/k/v and gate/up each become one matmul over weights concatenated along the output
+  dimension; the original modules keep views into the fused arrays (no extra memory, and
+  every output column is still the same dot product);
+- norm + q/k/v + RoPE, the attention core, and o_proj + MLP are `mx.compile`d functions
+  shared by every block of the same shape (weights are inputs, not constants), so their
+  elementwise tails run as a few fused kernels.
+
+Every piece acts on each row independently, so row-invariance (the exact path) is kept;
+the tile probe covers the fused shapes (`fused_linears`).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+
+_QUANT_ARRAYS = ("weight", "scales", "biases")  # nn.QuantizedLinear's arrays, all (out, ...)
+
+
+@dataclass(frozen=True)
+class LinearKind:
+    """Static facts of a linear (part of the compiled pieces' cache key)."""
+
+    quant: tuple[int, int, str] | None  # (group_size, bits, mode) of a quantized linear, else None
+    has_biases: bool  # a quantized linear's affine `biases` array is present
+    has_bias: bool  # an additive bias follows the matmul
+
+    @property
+    def n_arrays(self) -> int:
+        """How many arrays `linear_arrays` yields for this kind."""
+        return (1 if self.quant is None else 2 + int(self.has_biases)) + int(self.has_bias)
+
+
+def linear_kind(module: nn.Module) -> LinearKind:
+    """The static facts of an nn.Linear / nn.QuantizedLinear."""
+    quant = (module.group_size, module.bits, module.mode) if isinstance(module, nn.QuantizedLinear) else None
+    return LinearKind(quant, quant is not None and "biases" in module, "bias" in module)
+
+
+def linear_arrays(module: nn.Module) -> tuple[mx.array, ...]:
+    """The arrays `apply_linear` takes: weight[, scales[, biases]][, bias]."""
+    names = _QUANT_ARRAYS if isinstance(module, nn.QuantizedLinear) else ("weight",)
+    return tuple(module[n] for n in (*names, "bias") if n in module)
+
+
+def apply_linear(kind: LinearKind, x: mx.array, arrays: tuple[mx.array, ...]) -> mx.array:
+    """Exactly what nn.Linear / nn.QuantizedLinear compute (same ops, so the same bits)."""
+    if kind.quant is None:
+        return mx.addmm(arrays[1], x, arrays[0].T) if kind.has_bias else x @ arrays[0].T
+    group_size, bits, mode = kind.quant
+    y = mx.quantized_matmul(x, arrays[0], scales=arrays[1], biases=arrays[2] if kind.has_biases else None,
+                            transpose=True, group_size=group_size, bits=bits, mode=mode)
+    return y + arrays[-1] if kind.has_bias else y
+
+
+def concat_linears(parts: list[nn.Module]) -> nn.Module:
+    """One linear whose output is the parts' outputs side by side; the parts become views of it."""
+    fused = copy.copy(parts[0])
+    names = [n for n in (*_QUANT_ARRAYS, "bias") if n in parts[0]]
+    for n in names:
+        fused[n] = mx.concatenate([p[n] for p in parts], axis=0)
+    mx.eval([fused[n] for n in names])
+    start = 0
+    for p in parts:
+        rows = p["weight"].shape[0]
+        for n in names:
+            p[n] = fused[n][start : start + rows]  # a view: the separate copy is freed
+        start += rows
+    mx.eval([p[n] for p in parts for n in names])
+    return fused
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """What the compiled pieces close over: one set of pieces per distinct value."""
+
+    n_heads: int  # query heads
+    n_kv: int  # K/V heads
+    head_dim: int  # per-head width
+    eps_in: float  # input RMSNorm epsilon
+    eps_post: float  # post-attention RMSNorm epsilon
+    scale: float  # attention score scale
+    rope: nn.Module  # the model's RoPE module (compared by identity)
+    kinds: tuple[LinearKind, LinearKind, LinearKind, LinearKind]  # qkv, o_proj, gate_up, down_proj
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Shape) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def _key(self) -> tuple:
+        return (self.n_heads, self.n_kv, self.head_dim, self.eps_in, self.eps_post, self.scale, id(self.rope),
+                self.kinds)
+
+
+Pieces = tuple[Callable[..., tuple[mx.array, mx.array, mx.array]], Callable[..., mx.array], Callable[..., mx.array]]
+_PIECES: dict[_Shape, Pieces] = {}
+
+
+def _pieces(s: _Shape) -> Pieces:
+    """The compiled (pre, core, post) for blocks of shape `s` (traced once per input shape)."""
+    if s in _PIECES:
+        return _PIECES[s]
+    n_q, n_kv, d = s.n_heads, s.n_kv, s.head_dim
+    k_qkv, k_o, k_gu, k_down = s.kinds
+
+    def pre(h: mx.array, offset: mx.array, norm_w: mx.array, *qkv_w: mx.array) -> tuple[mx.array, ...]:
+        length = h.shape[1]
+        x = mx.fast.rms_norm(h, norm_w, s.eps_in)  # (1, L, hidden)
+        qkv = apply_linear(k_qkv, x, qkv_w).reshape(1, length, n_q + 2 * n_kv, d).transpose(0, 2, 1, 3)
+        qk = s.rope(qkv[:, : n_q + n_kv], offset=offset)  # q and k heads rotated in one call
+        q = (qk[0, :n_q] * s.scale).transpose(1, 0, 2).reshape(length, n_kv, n_q // n_kv, d)  # (L, n_kv, rep, D)
+        return q, qk[0, n_q:], qkv[0, n_q + n_kv :]  # q; k, v (n_kv, L, D)
+
+    def core(q: mx.array, keys: mx.array, values: mx.array, mask: mx.array) -> mx.array:
+        # One small matmul per (row, kv head) over a key prefix fixed by the row's position,
+        # so a row's bits never depend on the block it came in.
+        scores = q @ keys.transpose(0, 2, 1)[None]  # (l, n_kv, rep, E)
+        scores = mx.where(mask, scores, mx.array(-mx.inf, dtype=scores.dtype))
+        weights = mx.exp(scores - mx.max(scores, axis=-1, keepdims=True))  # row-local softmax
+        return (weights / mx.sum(weights, axis=-1, keepdims=True)) @ values[None]  # (l, n_kv, rep, D)
+
+    def post(h: mx.array, attn: mx.array, *arrays: mx.array) -> mx.array:
+        length = h.shape[1]
+        o_w, arrays = arrays[: k_o.n_arrays], arrays[k_o.n_arrays :]
+        norm_w, gu_w, down_w = arrays[0], arrays[1 : 1 + k_gu.n_arrays], arrays[1 + k_gu.n_arrays :]
+        h = h + apply_linear(k_o, attn.reshape(1, length, n_q * d), o_w)  # (1, L, hidden)
+        gate, up = mx.split(apply_linear(k_gu, mx.fast.rms_norm(h, norm_w, s.eps_post), gu_w), 2, axis=-1)
+        return h + apply_linear(k_down, nn.silu(gate) * up, down_w)
+
+    _PIECES[s] = (mx.compile(pre), mx.compile(core), mx.compile(post))
+    return _PIECES[s]
+
+
+@dataclass(frozen=True)
+class FusedBlock:
+    """One transformer block's arrays and its compiled pieces."""
+
+    pre: Callable[..., tuple[mx.array, mx.array, mx.array]]  # (h, offset, *pre_arrays) -> q, k, v
+    core: Callable[..., mx.array]  # (q, keys, values, mask) -> attention rows before o_proj
+    post: Callable[..., mx.array]  # (h, attn, *post_arrays) -> the block's output
+    pre_arrays: tuple[mx.array, ...]  # input norm weight, fused q/k/v arrays
+    post_arrays: tuple[mx.array, ...]  # o_proj arrays, post norm weight, fused gate/up arrays, down_proj arrays
+    qkv: nn.Module  # the fused q/k/v linear (probed for row-invariance)
+    gate_up: nn.Module  # the fused gate/up linear (probed)
+
+
+def fused_block(layer: nn.Module) -> FusedBlock:
+    """The block's FusedBlock, built (and its projections fused) on first use."""
+    block = layer.__dict__.get("_fused_block")
+    if block is None:
+        block = _build(layer)
+        layer.__dict__["_fused_block"] = block  # a plain attribute, not a model parameter
+    return block
+
+
+def _build(layer: nn.Module) -> FusedBlock:
+    a, m = layer.self_attn, layer.mlp
+    qkv = concat_linears([a.q_proj, a.k_proj, a.v_proj])
+    gate_up = concat_linears([m.gate_proj, m.up_proj])
+    shape = _Shape(
+        n_heads=a.n_heads, n_kv=a.n_kv_heads, head_dim=a.q_proj.weight.shape[0] // a.n_heads,
+        eps_in=layer.input_layernorm.eps, eps_post=layer.post_attention_layernorm.eps, scale=a.scale, rope=a.rope,
+        kinds=(linear_kind(qkv), linear_kind(a.o_proj), linear_kind(gate_up), linear_kind(m.down_proj)),
+    )
+    pre, core, post = _pieces(shape)
+    return FusedBlock(
+        pre, core, post,
+        pre_arrays=(layer.input_layernorm.weight, *linear_arrays(qkv)),
+        post_arrays=(*linear_arrays(a.o_proj), layer.post_attention_layernorm.weight, *linear_arrays(gate_up),
+                     *linear_arrays(m.down_proj)),
+        qkv=qkv, gate_up=gate_up,
+    )
+
+
+def fused_linears(model: nn.Module) -> list[nn.Module]:
+    """The fused q/k/v and gate/up linears of the first block (every block has the same shapes)."""
+    block = fused_block(model.model.layers[0])
+    return [block.qkv, block.gate_up]
