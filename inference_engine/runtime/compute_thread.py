@@ -31,14 +31,27 @@ class ComputeThread:
         Raises:
             The `unavailable()` error once the thread has been closed.
         """
-        if self._closed:
-            raise self._unavailable()
-        fut = asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        fut = self.submit(fn, *args)
         try:
             return await asyncio.shield(fut)
         except asyncio.CancelledError:
             await asyncio.wait([fut])
             raise
+
+    def submit(self, fn: Callable[..., T], *args: object) -> asyncio.Future[T]:
+        """Queue `fn(*args)` on the thread now; its future resolves on the running loop.
+
+        The work starts without waiting for the caller to yield (no task in between), so a
+        caller that awaits the future later overlaps its own work with the computation.
+        The caller must not cancel the future (the call completes anyway); await it or
+        `asyncio.wait` it.
+
+        Raises:
+            The `unavailable()` error once the thread has been closed.
+        """
+        if self._closed:
+            raise self._unavailable()
+        return asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     def close(self) -> None:
         """Refuse new calls and wait for the running one."""

@@ -6,6 +6,7 @@ even if the awaiting RPC is cancelled, so session state is never left half-updat
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import TYPE_CHECKING, Callable, TypeVar
 
@@ -144,6 +145,14 @@ class Engine:
             EngineUnavailable: the engine has been shut down.
         """
         return await self._thread.run(fn, *args)
+
+    def submit(self, fn: Callable[..., T], *args: object) -> asyncio.Future[T]:
+        """Queue `fn(*args)` on the engine thread now (see ComputeThread.submit).
+
+        Raises:
+            EngineUnavailable: the engine has been shut down.
+        """
+        return self._thread.submit(fn, *args)
 
     def close(self) -> None:
         """Stop accepting work and wait for the running item."""

@@ -139,10 +139,10 @@ class Runtime:
         drafted = accepted = produced = 0
         inflight: asyncio.Future[StepResult] | None = None
 
-        def next_step() -> asyncio.Future[StepResult]:
-            return asyncio.ensure_future(self.engine.run(
+        def next_step() -> asyncio.Future[StepResult]:  # starts computing at once, before any await
+            return self.engine.submit(
                 self._step, coord, state, p.mode, p.num_draft_tokens, p.max_new_tokens - produced, stop_ids
-            ))
+            )
 
         try:
             if not session.history:
@@ -150,7 +150,7 @@ class Runtime:
             stop = StopReason.CANCELLED if self._is_cancelled(session) else None
             inflight = None if stop else next_step()
             while inflight is not None:
-                step = await inflight
+                step = await asyncio.shield(inflight)  # a cancelled caller must not cancel the step
                 inflight = None
                 state.unsent = None  # handed to the transport from here on: it counts as sent
                 produced += len(step.tokens)
