@@ -105,3 +105,15 @@ def test_chunking_invariance_across_key_extent_buckets(engine, name, sizes):
     ref = feed(engine, tokens, [400], 2, 300)
     v = feed(engine, tokens, sizes, 2, 300)
     assert v.state_digest() == ref.state_digest()
+
+
+def test_block_returned_before_it_is_computed_has_the_same_bits(engine):
+    """wait=False (a decode step hands its token out while the logits compute) changes no bit."""
+    waited = feed(engine, TOKENS, [20], SINK, WINDOW)
+    early = feed(engine, TOKENS, [20], SINK, WINDOW)
+    a = waited.forward_block(TOKENS[20:23], wait=True)
+    b = early.forward_block(TOKENS[20:23], wait=False)
+    assert np.array(b).tobytes() == np.array(a).tobytes()
+    for v in (waited, early):
+        v.commit_or_truncate(3, 2)
+    assert early.state_digest() == waited.state_digest()

@@ -90,11 +90,17 @@ def forward_chunk(model: nn.Module, tokens: mx.array, cache: list[SinkWindowKVCa
     return lm_head(model, h, all_logits)
 
 
-def forward(model: nn.Module, tokens: list[int], cache: list[SinkWindowKVCache], all_logits: bool = True) -> mx.array:
+def forward(
+    model: nn.Module, tokens: list[int], cache: list[SinkWindowKVCache], all_logits: bool = True, wait: bool = True
+) -> mx.array:
     """Compute the tokens not yet in the cache, chunked by the cache's `max_block`.
 
+    Args:
+        wait: evaluate before returning; if False the last chunk is only started
+            (`mx.async_eval`) and reading the logits waits for it, so the caller can hand
+            out earlier results while it computes (a decode step overlaps its stream write).
     Returns:
-        (L, V) logits if `all_logits`, else (1, V) for the last token. Evaluated.
+        (L, V) logits if `all_logits`, else (1, V) for the last token.
     """
     step = cache[0].geometry.max_block
     chunks = []
@@ -104,5 +110,6 @@ def forward(model: nn.Module, tokens: list[int], cache: list[SinkWindowKVCache],
         out = forward_chunk(model, mx.array(part, dtype=mx.int32), cache, all_logits or is_last)
         if all_logits or is_last:
             chunks.append(out if all_logits else out[-1:])
-        mx.eval(out, [c.keys for c in cache], [c.values for c in cache])
+        state = (out, [c.keys for c in cache], [c.values for c in cache])
+        mx.eval(*state) if wait or not is_last else mx.async_eval(*state)
     return chunks[0] if len(chunks) == 1 else mx.concatenate(chunks, axis=0)

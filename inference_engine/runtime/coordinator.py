@@ -54,11 +54,14 @@ class AppendTokensCoordinator:
     def verify(self, block: list[int]) -> mx.array:
         """Forward a generation block (next greedy token + drafts), pending `accept`.
 
+        The block's tokens are known, so it is committed and sent while its logits are
+        still computing; the next step's read of them waits (the stream write overlaps).
+
         Returns:
-            (L, V) logits; row i predicts the token after block[i].
+            (L, V) logits, possibly still computing; row i predicts the token after block[i].
         """
         self.check_invariants()
-        return self.session.verifier.forward_block(block, all_logits=True)
+        return self.session.verifier.forward_block(block, all_logits=True, wait=False)
 
     def accept(self, block: list[int], accepted: int) -> None:
         """Commit the first `accepted` tokens of the verified block to cache and history."""

@@ -105,8 +105,8 @@ class RemoteExecutor(Executor):
     def offset(self) -> int:
         return len(self._tokens)
 
-    def forward(self, tokens: list[int], all_logits: bool) -> mx.array:
-        p = self.route.pipeline
+    def forward(self, tokens: list[int], all_logits: bool, wait: bool = True) -> mx.array:
+        p = self.route.pipeline  # the route answers with computed logits: `wait` changes nothing
         logits = self._call(lambda: p.forward(self.session_id, tokens, all_logits=all_logits))
         self._tokens += tokens
         return mx.array(logits)

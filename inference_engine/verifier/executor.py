@@ -28,9 +28,12 @@ class Executor(ABC):
         """Positions computed into the K/V, including a block not yet committed."""
 
     @abstractmethod
-    def forward(self, tokens: list[int], all_logits: bool) -> mx.array:
+    def forward(self, tokens: list[int], all_logits: bool, wait: bool = True) -> mx.array:
         """Compute `tokens` at positions offset.. into the K/V through every layer.
 
+        Args:
+            wait: False lets the result be returned while it is still computing
+                (reading it waits); an executor may ignore it and always finish first.
         Returns:
             (L, V) float32 logits, or (1, V) for the last row only; row i predicts the
             token after tokens[i]. Bits equal to `model.forward.forward` over one process.
@@ -64,8 +67,8 @@ class LocalExecutor(Executor):
     def offset(self) -> int:
         return self.cache[0].offset
 
-    def forward(self, tokens: list[int], all_logits: bool) -> mx.array:
-        return forward(self.model, tokens, self.cache, all_logits=all_logits)
+    def forward(self, tokens: list[int], all_logits: bool, wait: bool = True) -> mx.array:
+        return forward(self.model, tokens, self.cache, all_logits=all_logits, wait=wait)
 
     def trim(self, n: int) -> None:
         for c in self.cache:

@@ -68,12 +68,14 @@ class SinkWindowVerifier:
         self.forward_block(tokens, all_logits=False)
         self.commit_or_truncate(len(tokens), len(tokens))
 
-    def forward_block(self, tokens: list[int], all_logits: bool = True) -> mx.array:
+    def forward_block(self, tokens: list[int], all_logits: bool = True, wait: bool = True) -> mx.array:
         """Compute `tokens` at the next positions into the cache, pending a commit.
 
         Args:
             tokens: the block (non-empty).
             all_logits: return logits of every row (verification), else the last row's.
+            wait: False may return the logits while they are still computing (see
+                Executor.forward); bits are the same either way.
         Returns:
             (L, V) float32 logits (or (1, V)); row i predicts the token after tokens[i].
         Raises:
@@ -83,7 +85,7 @@ class SinkWindowVerifier:
             raise InvariantViolation("forward_block called while a previous block awaits commit_or_truncate")
         if not tokens:
             raise InvariantViolation("forward_block needs at least one token")
-        logits = self.executor.forward(list(tokens), all_logits)
+        logits = self.executor.forward(list(tokens), all_logits, wait)
         self._pending = (list(tokens), logits, self._logits)
         return logits
 
