@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "shard-worker":
         from inference_engine.shard.worker import run_worker
 
-        return run_worker(args, parser)
+        exit_now(run_worker(args, parser))  # like serve: skip C++ static destructors (MLX#3126)
     from inference_engine.server.server import serve
 
     try:

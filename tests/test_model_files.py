@@ -96,7 +96,13 @@ def test_reexec_decisions(monkeypatch):
     monkeypatch.delenv(blas._REEXEC_MARK, raising=False)
     blas.reexec_with_openblas(["-m", "x"])
     (exe, argv, env), = calls
-    assert env["LD_PRELOAD"].startswith(blas.find_openblas()) and env["LD_PRELOAD"].endswith(":/x/other.so")
+    libs = env["LD_PRELOAD"].split(":")
+    assert libs == [blas.row_gemv_library(), blas.find_openblas(), "/x/other.so"]  # interposer first, then OpenBLAS
+    calls.clear()
+    monkeypatch.setenv("INFERENCE_ENGINE_NO_ROW_GEMV", "1")
+    blas.reexec_with_openblas(["-m", "x"])
+    (exe, argv, env), = calls
+    assert env["LD_PRELOAD"] == f"{blas.find_openblas()}:/x/other.so"
     monkeypatch.setenv("INFERENCE_ENGINE_NO_OPENBLAS", "1")
     blas.reexec_with_openblas(["-m", "x"])
     assert len(calls) == 1
