@@ -12,6 +12,7 @@ from inference_engine.model.loader import random_model
 from inference_engine.shard.errors import DeadlineExpired, EpochStale, MalformedShardOutput, ShardUnavailable
 from inference_engine.shard.fault_config import FaultConfig
 from inference_engine.shard.fault_injection import FaultInjectingEngine
+from inference_engine.shard import mlx_engine
 from inference_engine.shard.mlx_engine import MlxShardEngine
 from inference_engine.shard.pipeline import ShardPipeline
 from inference_engine.shard.types import LayerRange
@@ -80,6 +81,18 @@ async def test_route_must_tile_the_model(tiny):
             await pipeline.close()
     with pytest.raises(InvalidRequest):
         ShardPipeline([])
+
+
+async def test_route_must_compute_with_one_kernel_setup(tiny, monkeypatch):
+    """A worker on other BLAS kernels (say, without the row-gemv interposer) would break bit-exactness."""
+    head = _engine(tiny.model, HEAD)
+    head.load()
+    monkeypatch.setattr(mlx_engine, "active_blas", lambda: "openblas: /elsewhere/libopenblas.so")
+    async with _route(head, _engine(tiny.model, TAIL)) as addrs:
+        pipeline = ShardPipeline(addrs)
+        with pytest.raises(InvalidRequest, match="one BLAS set-up"):
+            await pipeline.connect()
+        await pipeline.close()
     with pytest.raises(InvalidRequest):
         ShardPipeline(["127.0.0.1:1"], epoch=0)
 

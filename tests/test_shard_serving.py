@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from inference_engine.config import add_server_flags, config_from_args
+from inference_engine.runtime import engine as engine_module
 from inference_engine.runtime.engine import Engine, check_route_compatible
 from inference_engine.server.server import connect_shards
 from inference_engine.shard.pipeline import ShardPipeline
@@ -184,7 +185,7 @@ def _kill(pid: int, sig: int = signal.SIGKILL) -> None:
     os.kill(pid, sig)
 
 
-async def test_connect_shards_checks_the_route(workers, real_model, real_engine, tiny):
+async def test_connect_shards_checks_the_route(workers, real_model, real_engine, tiny, monkeypatch):
     _, addresses = workers
     engine = Engine(real_model, exact=True, max_tile=16, plain_block=64, max_rollback=8)
     try:
@@ -194,6 +195,10 @@ async def test_connect_shards_checks_the_route(workers, real_model, real_engine,
             check_route_compatible(engine.route, 64, 9, real_model)
         with pytest.raises(ValueError, match="this server loaded"):
             check_route_compatible(engine.route, 1, 1, tiny)
+        with monkeypatch.context() as m:  # a server on other kernels than its workers
+            m.setattr(engine_module, "active_blas", lambda: "reference: bundled")
+            with pytest.raises(ValueError, match="same INFERENCE_ENGINE_NO_ROW_GEMV"):
+                check_route_compatible(engine.route, 1, 1, real_model)
         await pipeline.close()
     finally:
         engine.close()

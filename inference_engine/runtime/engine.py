@@ -10,6 +10,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING, Callable, TypeVar
 
+from inference_engine.blas import active_blas
 from inference_engine.errors import EngineUnavailable
 from inference_engine.model.loader import LoadedModel
 from inference_engine.runtime.compute_thread import ComputeThread
@@ -60,6 +61,9 @@ def check_route_compatible(route: ShardRoute, block: int, rollback: int, loaded:
         raise ValueError(f"the shard route runs {head.model_name} ({head.num_layers} layers, fingerprint "
                          f"{head.model_fingerprint[:12]}); this server loaded {loaded.spec.name} "
                          f"({loaded.spec.num_layers} layers): both must run the same model")
+    if head.kernels != active_blas():
+        raise ValueError(f"the shard route computes with {head.kernels!r}, this server with {active_blas()!r}: "
+                         "start both the same way (same BLAS, same INFERENCE_ENGINE_NO_ROW_GEMV) to be bitwise exact")
     if p.max_block < block or p.max_rollback < rollback:
         raise ValueError(f"the shard route accepts blocks of {p.max_block} and rollback {p.max_rollback}; this "
                          f"server needs block {block} (its probed tile) and rollback {rollback}: start the workers "

@@ -19,6 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from inference_engine.blas import active_blas
 from inference_engine.errors import InvalidRequest, InvariantViolation, PoolExhausted, SessionNotFound
 from inference_engine.model.forward import embed, lm_head, run_layers
 from inference_engine.shard.engine import ShardEngine
@@ -150,7 +151,7 @@ class MlxShardEngine(ShardEngine):
             model_name=self._name, model_fingerprint=model_fingerprint(model), num_layers=num_layers,
             layers=self.layers, hidden_size=int(args.hidden_size), vocab_size=int(args.vocab_size),
             activation_dtype=_NUMPY_DTYPE[act_dtype], max_block=block, max_rollback=max_rollback,
-            max_sessions=max_sessions, max_sink=max_sink, max_window=max_window,
+            max_sessions=max_sessions, max_sink=max_sink, max_window=max_window, kernels=active_blas(),
         )
 
     def capabilities(self) -> ShardCapabilities:

@@ -138,6 +138,9 @@ class ShardPipeline:
                         head.activation_dtype):
                 raise InvalidRequest(f"shard worker {address} runs a different model ({c.model_name}, "
                                      f"fingerprint {c.model_fingerprint[:12]}) than {self.addresses[0]}")
+            if c.kernels != head.kernels:
+                raise InvalidRequest(f"shard worker {address} computes with {c.kernels!r}, {self.addresses[0]} with "
+                                     f"{head.kernels!r}: a route must use one BLAS set-up to be bitwise one process")
             if c.layers.start != expected_start:
                 raise InvalidRequest(f"shard worker {address} runs layers {c.layers}; the route needs layers "
                                      f"starting at {expected_start} next")

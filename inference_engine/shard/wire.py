@@ -141,7 +141,7 @@ def capability_msg(caps: ShardCapabilities, max_credits: int) -> pb.ShardCapabil
         layer_start=caps.layers.start, layer_end=caps.layers.end, hidden_size=caps.hidden_size,
         vocab_size=caps.vocab_size, activation_dtype=wire_dtype(caps.activation_dtype), max_block=caps.max_block,
         max_rollback=caps.max_rollback, max_sessions=caps.max_sessions, max_sink=caps.max_sink,
-        max_window=caps.max_window, max_credits=max_credits,
+        max_window=caps.max_window, max_credits=max_credits, kernels=caps.kernels,
     )
 
 
@@ -162,7 +162,7 @@ def capabilities_of(msg: pb.ShardCapability) -> ShardCapabilities:
         model_name=msg.model_name, model_fingerprint=msg.model_fingerprint, num_layers=msg.num_layers,
         layers=LayerRange(msg.layer_start, msg.layer_end), hidden_size=msg.hidden_size, vocab_size=msg.vocab_size,
         activation_dtype=dtype, max_block=msg.max_block, max_rollback=msg.max_rollback,
-        max_sessions=msg.max_sessions, max_sink=msg.max_sink, max_window=msg.max_window,
+        max_sessions=msg.max_sessions, max_sink=msg.max_sink, max_window=msg.max_window, kernels=msg.kernels,
     )
 
 

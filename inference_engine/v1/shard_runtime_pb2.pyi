@@ -248,7 +248,7 @@ class ShardCapabilityRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ShardCapability(_message.Message):
-    __slots__ = ("model_name", "model_fingerprint", "num_layers", "layer_start", "layer_end", "hidden_size", "vocab_size", "activation_dtype", "max_block", "max_rollback", "max_sessions", "max_sink", "max_window", "max_credits")
+    __slots__ = ("model_name", "model_fingerprint", "num_layers", "layer_start", "layer_end", "hidden_size", "vocab_size", "activation_dtype", "max_block", "max_rollback", "max_sessions", "max_sink", "max_window", "max_credits", "kernels")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -263,6 +263,7 @@ class ShardCapability(_message.Message):
     MAX_SINK_FIELD_NUMBER: _ClassVar[int]
     MAX_WINDOW_FIELD_NUMBER: _ClassVar[int]
     MAX_CREDITS_FIELD_NUMBER: _ClassVar[int]
+    KERNELS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     model_fingerprint: str
     num_layers: int
@@ -277,7 +278,8 @@ class ShardCapability(_message.Message):
     max_sink: int
     max_window: int
     max_credits: int
-    def __init__(self, model_name: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., num_layers: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., activation_dtype: _Optional[_Union[TensorDtype, str]] = ..., max_block: _Optional[int] = ..., max_rollback: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_sink: _Optional[int] = ..., max_window: _Optional[int] = ..., max_credits: _Optional[int] = ...) -> None: ...
+    kernels: str
+    def __init__(self, model_name: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., num_layers: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., activation_dtype: _Optional[_Union[TensorDtype, str]] = ..., max_block: _Optional[int] = ..., max_rollback: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_sink: _Optional[int] = ..., max_window: _Optional[int] = ..., max_credits: _Optional[int] = ..., kernels: _Optional[str] = ...) -> None: ...
 
 class ShardHealthRequest(_message.Message):
     __slots__ = ()
