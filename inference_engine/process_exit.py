@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -31,10 +32,24 @@ def exit_now(status: int) -> None:
     os._exit(status)  # pragma: no cover
 
 
-async def wait_for_stop_signal() -> None:
-    """Return once SIGTERM or SIGINT arrives (call from the running event loop)."""
+async def wait_for_stop_signal(parent_pid: int = 0, poll_s: float = 0.5) -> None:
+    """Return once SIGTERM or SIGINT arrives (call from the running event loop).
+
+    Args:
+        parent_pid: also return once this process is no longer our parent (it died, even by
+            SIGKILL, and we were re-parented); 0 = only signals.
+        poll_s: how often the parent is checked.
+    """
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    if not parent_pid:
+        await stop.wait()
+        return
+    while not stop.is_set():
+        if os.getppid() != parent_pid:
+            logging.getLogger(__name__).warning("parent process %d is gone: shutting down", parent_pid)
+            return
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), poll_s)

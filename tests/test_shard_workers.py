@@ -82,3 +82,45 @@ def test_bad_flags_are_usage_errors(flags, match):
     out = subprocess.run([sys.executable, "-m", "inference_engine", "shard-worker", *flags],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and match in out.stderr
+
+
+# A parent that starts a worker tied to it, reports the worker's pid, then dies outright.
+_ORPHANING_PARENT = """
+import os, subprocess, sys
+w = subprocess.Popen([sys.executable, "-m", "inference_engine", "shard-worker", "--layers", "0:1", "--port", "0",
+                      "--parent-pid", str(os.getpid())], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+print(w.stdout.readline().strip(), w.pid, flush=True)
+os.kill(os.getpid(), 9)
+"""
+
+
+def _is_running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "\tZ" not in next(line for line in f if line.startswith("State:"))  # a zombie has exited
+    except (FileNotFoundError, StopIteration):
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_worker_tied_to_a_parent_stops_when_the_parent_is_killed(real_model_path):
+    import time
+
+    parent = subprocess.run([sys.executable, "-c", _ORPHANING_PARENT], capture_output=True, text=True, timeout=120)
+    assert parent.returncode == -signal.SIGKILL
+    line, pid = parent.stdout.split()[:-1], int(parent.stdout.split()[-1])
+    assert line[:2] == ["listening", "on"], parent.stdout
+    deadline = time.monotonic() + 30
+    while _is_running(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _is_running(pid), "the worker outlived its killed parent"
+
+
+def test_parent_pid_must_not_be_negative():
+    from inference_engine.shard.worker_config import add_worker_flags, worker_config_from_args
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_worker_flags(parser)
+    with pytest.raises(ValueError, match="--parent-pid"):
+        worker_config_from_args(parser.parse_args(["--layers", "0:1", "--parent-pid", "-1"]))

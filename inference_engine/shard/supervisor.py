@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import sys
 from dataclasses import dataclass
 
@@ -62,6 +63,7 @@ class WorkerSupervisor:
             "--host", f.host, "--port", str(port), "--model", f.model, "--block", str(f.block),
             "--max-rollback", str(f.max_rollback), "--max-sessions", str(f.max_sessions),
             "--max-sink", str(f.max_sink), "--max-window", str(f.max_window),
+            "--parent-pid", str(os.getpid()),  # a server killed outright does not leave its workers behind
             stdout=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL,
         )
         self.procs[i] = proc

@@ -49,7 +49,7 @@ async def serve_worker(cfg: ShardWorkerConfig) -> None:
     server, port, servicer = await start_shard_server(engine, cfg.host, cfg.port, max_credits=cfg.max_credits)
     try:
         print(f"listening on {cfg.host}:{port}", flush=True)
-        await wait_for_stop_signal()
+        await wait_for_stop_signal(cfg.parent_pid)
         log.info("shutting down: failing open sessions, draining RPCs for up to %.1fs", cfg.grace_s)
         servicer.fail_sessions("the shard worker is shutting down")
         await server.stop(cfg.grace_s)

@@ -33,6 +33,7 @@ class ShardWorkerConfig:
     max_credits: int = 8  # most work frames in flight per session
     grace_s: float = 5.0  # drain time for in-flight RPCs at shutdown
     faults: FaultConfig | None = None  # TEST FIXTURE: injected faults (None = a normal worker)
+    parent_pid: int = 0  # shut down when this process is gone (the supervising server); 0 = never
 
 
 def add_worker_flags(parser: argparse.ArgumentParser) -> None:
@@ -50,6 +51,8 @@ def add_worker_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-window", type=int, default=d.max_window)
     parser.add_argument("--max-credits", type=int, default=d.max_credits)
     parser.add_argument("--grace", type=float, default=d.grace_s, help="seconds to drain RPCs on SIGTERM")
+    parser.add_argument("--parent-pid", type=int, default=d.parent_pid,
+                        help="shut down (as on SIGTERM) once this process is gone; the supervising server passes its own")
     parser.add_argument("--inject-faults", default="", metavar="SPEC",
                         help="TEST FIXTURE ONLY: "
                              "delay=S,memory_budget=BYTES,malformed=rows|width|nan|position,crash_after=N")
@@ -66,7 +69,7 @@ def worker_config_from_args(args: argparse.Namespace) -> ShardWorkerConfig:
         cache_dir=default_cache_dir(), block=args.block, max_tile=args.max_tile, max_rollback=args.max_rollback,
         max_sessions=args.max_sessions, max_sink=args.max_sink, max_window=args.max_window,
         max_credits=args.max_credits, grace_s=args.grace,
-        faults=FaultConfig.parse(args.inject_faults) if args.inject_faults else None,
+        faults=FaultConfig.parse(args.inject_faults) if args.inject_faults else None, parent_pid=args.parent_pid,
     )
     checks = {
         "--port": 0 <= cfg.port <= 65535,
@@ -78,6 +81,7 @@ def worker_config_from_args(args: argparse.Namespace) -> ShardWorkerConfig:
         "--max-sink": cfg.max_sink >= 0,
         "--max-credits": cfg.max_credits >= 1,
         "--grace": cfg.grace_s >= 0,
+        "--parent-pid": cfg.parent_pid >= 0,
     }
     bad = [flag for flag, ok in checks.items() if not ok]
     if bad:
