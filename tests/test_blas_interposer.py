@@ -9,10 +9,9 @@ import textwrap
 import pytest
 
 from inference_engine.blas import find_openblas, row_gemv_library
+from tests.blas_env import linux_openblas
 
-pytestmark = pytest.mark.skipif(
-    not sys.platform.startswith("linux") or find_openblas() is None, reason="the interposer is a Linux launcher arrangement"
-)
+pytestmark = linux_openblas
 
 # Runs with LD_PRELOAD=<interposer>:<openblas>; prints what it found as JSON.
 PROBE = textwrap.dedent("""

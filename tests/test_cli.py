@@ -11,6 +11,7 @@ import pytest
 
 from inference_engine.v1 import runtime_pb2 as pb
 from inference_engine.v1 import runtime_pb2_grpc as pb_grpc
+from tests.blas_env import EXPECTED_BLAS, linux_openblas
 
 pytestmark = pytest.mark.real_model
 
@@ -41,9 +42,10 @@ def test_serve_readiness_drain_and_sigterm(real_model_path):
     finally:
         proc.kill()
     err = proc.stderr.read()
-    assert "BLAS in use: openblas" in err and "exact mode: block size" in err and "stopped" in err
+    assert f"BLAS in use: {EXPECTED_BLAS}" in err and "exact mode: block size" in err and "stopped" in err
 
 
+@linux_openblas
 def test_reexec_preloads_openblas_without_ld_preload(real_model_path):
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     proc, _ = _start("--no-exact", env=env)

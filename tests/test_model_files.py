@@ -12,6 +12,7 @@ import pytest
 from inference_engine import blas
 from inference_engine.model import gguf_convert, packaged
 from inference_engine.model.loader import load_model
+from tests.blas_env import linux_openblas
 
 
 def test_unpermute_inverts_llama_cpp_permute():
@@ -81,11 +82,13 @@ def test_loader_rejects_non_model_folders(tmp_path):
         load_model(tmp_path)
 
 
+@linux_openblas
 def test_active_blas_reports_openblas():
     assert blas.find_openblas() is not None
     assert blas.active_blas().startswith("openblas: ")  # the test runner preloads it
 
 
+@linux_openblas
 def test_reexec_decisions(monkeypatch):
     calls = []
     monkeypatch.setattr(blas.os, "execve", lambda *a: calls.append(a))
