@@ -111,5 +111,8 @@ def forward(
         if all_logits or is_last:
             chunks.append(out if all_logits else out[-1:])
         state = (out, [c.keys for c in cache], [c.values for c in cache])
-        mx.eval(*state) if wait or not is_last else mx.async_eval(*state)
+        if wait or not is_last:
+            mx.eval(*state)
+        else:
+            mx.async_eval(*state)
     return chunks[0] if len(chunks) == 1 else mx.concatenate(chunks, axis=0)
