@@ -17,7 +17,7 @@ the tile probe covers the fused shapes (`fused_linears`).
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import mlx.core as mx
@@ -89,18 +89,9 @@ class _Shape:
     eps_in: float  # input RMSNorm epsilon
     eps_post: float  # post-attention RMSNorm epsilon
     scale: float  # attention score scale
-    rope: nn.Module  # the model's RoPE module (compared by identity)
+    rope_id: int  # id() of the model's RoPE module: equal shapes share it only within one model
     kinds: tuple[LinearKind, LinearKind, LinearKind, LinearKind]  # qkv, o_proj, gate_up, down_proj
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Shape) and self._key() == other._key()
-
-    def __hash__(self) -> int:
-        return hash(self._key())
-
-    def _key(self) -> tuple:
-        return (self.n_heads, self.n_kv, self.head_dim, self.eps_in, self.eps_post, self.scale, id(self.rope),
-                self.kinds)
+    rope: nn.Module = field(compare=False)  # the RoPE module itself (a dict: unhashable, compared via rope_id)
 
 
 Pieces = tuple[Callable[..., tuple[mx.array, mx.array, mx.array]], Callable[..., mx.array], Callable[..., mx.array]]
@@ -170,7 +161,8 @@ def _build(layer: nn.Module) -> FusedBlock:
     gate_up = concat_linears([m.gate_proj, m.up_proj])
     shape = _Shape(
         n_heads=a.n_heads, n_kv=a.n_kv_heads, head_dim=a.q_proj.weight.shape[0] // a.n_heads,
-        eps_in=layer.input_layernorm.eps, eps_post=layer.post_attention_layernorm.eps, scale=a.scale, rope=a.rope,
+        eps_in=layer.input_layernorm.eps, eps_post=layer.post_attention_layernorm.eps, scale=a.scale,
+        rope_id=id(a.rope), rope=a.rope,
         kinds=(linear_kind(qkv), linear_kind(a.o_proj), linear_kind(gate_up), linear_kind(m.down_proj)),
     )
     pre, core, post = _pieces(shape)

@@ -61,8 +61,9 @@ def check_route_compatible(route: ShardRoute, block: int, rollback: int, loaded:
         raise ValueError(f"the shard route runs {head.model_name} ({head.num_layers} layers, fingerprint "
                          f"{head.model_fingerprint[:12]}); this server loaded {loaded.spec.name} "
                          f"({loaded.spec.num_layers} layers): both must run the same model")
-    if head.kernels != active_blas():
-        raise ValueError(f"the shard route computes with {head.kernels!r}, this server with {active_blas()!r}: "
+    kernels = active_blas()
+    if head.kernels != kernels:
+        raise ValueError(f"the shard route computes with {head.kernels!r}, this server with {kernels!r}: "
                          "start both the same way (same BLAS, same INFERENCE_ENGINE_NO_ROW_GEMV) to be bitwise exact")
     if p.max_block < block or p.max_rollback < rollback:
         raise ValueError(f"the shard route accepts blocks of {p.max_block} and rollback {p.max_rollback}; this "

@@ -71,9 +71,11 @@ def row_mask(geometry: CacheGeometry, start: int, length: int) -> mx.array:
     Returns:
         (length, 1, 1, slots) bool: slot s is visible to row i.
     """
-    mask = np.zeros((length, geometry.slots), dtype=bool)
-    for i in range(length):
-        mask[i, geometry.slot_of(np.array(geometry.visible_positions(start + i)))] = True
+    g = geometry
+    mask = np.zeros((length, g.slots), dtype=bool)
+    for i, p in enumerate(range(start, start + length)):  # per decode step: no Python lists of the window
+        mask[i, : min(g.sink, p + 1)] = True  # the sinks seen so far
+        mask[i, g.slot_of(np.arange(max(g.sink, p - g.window), p + 1))] = True  # the window, then p itself
     return mx.array(mask[:, None, None, :])
 
 
