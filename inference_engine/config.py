@@ -9,6 +9,8 @@ from pathlib import Path
 
 from inference_engine.model.packaged import DEFAULT_MODEL, DRAFT_MODEL
 
+DEFAULT_MAX_TILE = 16  # largest block size the start-up probe tries (server and shard workers alike)
+
 
 def default_cache_dir() -> Path:
     """Where converted models live: $INFERENCE_ENGINE_CACHE or ~/.cache/inference_engine."""
@@ -35,8 +37,10 @@ class ServerConfig:
     max_new_tokens: int = 4096  # upper bound of GenerateRequest.max_new_tokens
     session_ttl_s: float = 900.0  # idle sessions expire after this
     exact: bool = True  # run on the probed bit-exact tile; False = plain large blocks
-    max_tile: int = 16  # largest block size the probe tries
+    max_tile: int = DEFAULT_MAX_TILE  # largest block size the probe tries
     plain_block: int = 64  # block size when exact is off
+    max_batch_rows: int = 0  # most rows in one batched forward across sessions (0 = the probed block)
+    append_rows: int = 0  # most AppendTokens rows per forward while a Generate streams (0 = a quarter of a batch)
     grace_s: float = 10.0  # drain time for in-flight RPCs at shutdown
     shards: tuple[str, ...] = ()  # host:port of running shard workers, head first (() = layers run here)
     spawn_shards: tuple[str, ...] = ()  # layer ranges START:END of workers this server spawns and restarts
@@ -65,6 +69,10 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--session-ttl", type=float, default=d.session_ttl_s, help="idle seconds before expiry")
     parser.add_argument("--no-exact", action="store_true", help="plain large blocks (not chunking-invariant)")
     parser.add_argument("--max-tile", type=int, default=d.max_tile)
+    parser.add_argument("--max-batch-rows", type=int, default=d.max_batch_rows,
+                        help="most rows of all sessions in one forward (0 = the probed block)")
+    parser.add_argument("--append-rows", type=int, default=d.append_rows,
+                        help="most AppendTokens rows per forward while a Generate streams (0 = a quarter of a batch)")
     parser.add_argument("--grace", type=float, default=d.grace_s, help="seconds to drain RPCs on SIGTERM")
     shards = parser.add_mutually_exclusive_group()
     shards.add_argument("--shards", default="", metavar="HOST:PORT,...",
@@ -98,6 +106,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_sink=args.max_sink, max_window=args.max_window, max_rollback=args.max_rollback,
         max_tokens_per_request=args.max_tokens_per_request, max_new_tokens=args.max_new_tokens,
         session_ttl_s=args.session_ttl, exact=not args.no_exact, max_tile=args.max_tile, grace_s=args.grace,
+        max_batch_rows=args.max_batch_rows, append_rows=args.append_rows,
         shards=_split(args.shards), spawn_shards=_split(args.spawn_shards),
         shard_recovery_timeout_s=args.shard_recovery_timeout,
     )
@@ -108,6 +117,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         "--max-rollback": cfg.max_rollback >= 1,
         "--port": 0 <= cfg.port <= 65535,
         "--max-tile": cfg.max_tile >= 1,
+        "--max-batch-rows": cfg.max_batch_rows >= 0,
+        "--append-rows": cfg.append_rows >= 0,
         "--session-ttl": cfg.session_ttl_s > 0,
         "--shards": all(a.rpartition(":")[0] and a.rpartition(":")[2].isdigit() for a in cfg.shards),
         "--spawn-shards": all(r.count(":") == 1 and r.replace(":", "").isdigit() for r in cfg.spawn_shards),

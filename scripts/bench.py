@@ -43,10 +43,30 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo (inference_engine)
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ (benchkit)
 
-from inference_engine.blas import reexec_with_openblas  # noqa: E402
-from benchkit.core import Contender, EngineResult, FULL, QUICK, ROOT, gguf_weight_bytes, load_prompts, memory_bandwidth, run_interleaved  # noqa: E402
-from benchkit.engines import measure_append_latency, measure_pipeline, measure_rss, start_in_process, start_llama_cpp, start_mlx_lm, start_server  # noqa: E402
+from benchkit.core import (  # noqa: E402
+    FULL,
+    QUICK,
+    ROOT,
+    Contender,
+    EngineResult,
+    gguf_weight_bytes,
+    load_prompts,
+    memory_bandwidth,
+    run_interleaved,
+)
+from benchkit.concurrency import measure_concurrency  # noqa: E402
+from benchkit.engines import (  # noqa: E402
+    measure_append_latency,
+    measure_pipeline,
+    measure_rss,
+    start_in_process,
+    start_llama_cpp,
+    start_mlx_lm,
+    start_server,
+)
 from benchkit.report import build_report, fmt, print_table  # noqa: E402
+
+from inference_engine.blas import reexec_with_openblas  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         server, contenders["server"] = start_server(plan, prompts, stack)
         rss = measure_rss(server, plan, prompts)
         append = measure_append_latency(server, plan, prompts)
+        phase(f"server: {plan.sessions} sessions at once, TTFT under load, head-of-line, prompt lookup")
+        concurrency = measure_concurrency(server, prompts, plan)
         phase("load in-process runtime, mlx_lm, llama.cpp")
         contenders["in_process"], fp32_bytes = start_in_process(plan, prompts, model_dir, stack)
         contenders["mlx_lm"] = start_mlx_lm(plan, prompts, model_dir)
@@ -94,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     weights = {"fp32": fp32_bytes, "gguf": gguf_weight_bytes(gguf)}
     report = build_report(plan, args.quick, model_dir, gguf, bandwidth, weights, results, append, rss,
                           args.llama_cpp_build_s)
+    report["concurrency"] = concurrency
     if args.pipeline:
         phase("shard pipeline: 3 workers vs single process")
         report["pipeline"] = measure_pipeline(plan, prompts, model_dir)
@@ -103,6 +126,12 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print_table(report)
+    c = report["concurrency"]
+    print(f"{c['aggregate']['many']['sessions']} sessions at once: {c['aggregate']['many_over_one']:.2f}x the tok/s of one"
+          f" (same stream: {c['aggregate']['first_stream_identical']}); TTFT with {c['ttft']['busy_sessions']} streaming:"
+          f" {c['ttft']['loaded_over_idle']:.2f}x idle; longest gap while another session appends"
+          f" {c['head_of_line']['append_tokens']} tokens: {c['head_of_line']['max_over_idle']:.2f}x the idle gap;"
+          f" prompt lookup K=4 on a copy-back prompt: {c['lookup']['lookup_over_greedy']:.2f}x greedy")
     if "pipeline" in report:
         p = report["pipeline"]
         print(f"pipeline {'/'.join(p['ranges'])}: decode {fmt(p['pipeline']['decode_tok_s'])} tok/s vs single "

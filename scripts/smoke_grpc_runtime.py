@@ -28,10 +28,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the package is used from the checkout, not installed
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ (smokekit)
 
-from inference_engine.v1 import runtime_pb2_grpc as pb_grpc  # noqa: E402
 from smokekit.common import READY_TIMEOUT_S, ScenarioResult, Tokenizer  # noqa: E402
 from smokekit.scenarios import Smoke  # noqa: E402
 
+from inference_engine.v1 import runtime_pb2_grpc as pb_grpc  # noqa: E402
 
 # ---- server process -------------------------------------------------------------------------
 
@@ -48,21 +48,12 @@ async def spawn_server(log_path: Path) -> tuple[asyncio.subprocess.Process, str]
             sys.executable, "-m", "inference_engine", "serve", "--port", "0", "--max-sessions", "3",
             cwd=REPO, stdout=asyncio.subprocess.PIPE, stderr=log,
         )
-    assert proc.stdout is not None
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while True:
-        try:
-            line = await asyncio.wait_for(proc.stdout.readline(), max(0.1, deadline - time.monotonic()))
-        except asyncio.TimeoutError:
-            proc.kill()
-            await proc.wait()
-            raise RuntimeError(f"no readiness line within {READY_TIMEOUT_S:.0f}s (log: {log_path})") from None
-        if not line:
-            rc = await proc.wait()
-            raise RuntimeError(f"server exited with {rc} before it was ready (log: {log_path})")
-        text = line.decode(errors="replace").strip()
-        if text.startswith("listening on "):
-            return proc, text.removeprefix("listening on ")
+    from inference_engine.readiness import wait_ready_async
+
+    try:
+        return proc, await wait_ready_async(proc, READY_TIMEOUT_S)
+    except OSError as exc:
+        raise RuntimeError(f"server did not become ready ({exc}; log: {log_path})") from None
 
 
 async def stop_server(proc: asyncio.subprocess.Process, timeout_s: float = 60.0) -> int | None:

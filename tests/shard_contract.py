@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from inference_engine.errors import InvalidRequest, InvariantViolation, PoolExhausted, SessionNotFound
-from inference_engine.shard.engine import ShardEngine
-from inference_engine.shard.errors import WorkCancelled
-from inference_engine.shard.types import LayerRange, ShardWork
+from inference_engine.shard.protocol.errors import WorkCancelled
+from inference_engine.shard.protocol.types import LayerRange, ShardWork
+from inference_engine.shard.worker.engine import ShardEngine
 from inference_engine.verifier.kv_cache import CacheGeometry
 from tests.shard_helpers import GEOMETRY, ref_block, reference, run_chain
 

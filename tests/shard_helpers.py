@@ -11,14 +11,16 @@ import grpc
 import numpy as np
 import pytest
 
-from inference_engine.shard.engine import ShardEngine
-from inference_engine.shard.servicer import ShardRuntimeServicer, start_shard_server
-from inference_engine.shard.types import ShardWork
+from inference_engine.readiness import wait_ready
+from inference_engine.shard.protocol.types import ShardWork
+from inference_engine.shard.worker.engine import ShardEngine
+from inference_engine.shard.worker.servicer import ShardRuntimeServicer, start_shard_server
 from inference_engine.v1 import shard_runtime_pb2 as pb
 from inference_engine.v1 import shard_runtime_pb2_grpc as pb_grpc
+from inference_engine.verifier.executor import LocalBackend
 from inference_engine.verifier.kv_cache import CacheGeometry
-from inference_engine.verifier.executor import LocalExecutor
 from inference_engine.verifier.sink_window_verifier import SinkWindowVerifier
+from inference_engine.verifier.token_log import TokenLog
 
 GEOMETRY = CacheGeometry(sink=2, window=5, max_block=4, max_rollback=4)
 
@@ -55,8 +57,8 @@ def run_chain(chain: list[ShardEngine], sid: str, work_id: int, position: int, t
 
 def reference(loaded, geometry: CacheGeometry = GEOMETRY) -> SinkWindowVerifier:
     """A single-process verifier over the whole model with `geometry`."""
-    s = loaded.spec
-    return SinkWindowVerifier(LocalExecutor(loaded.model, geometry, s.num_kv_heads, s.head_dim, s.num_layers))
+    log = TokenLog()
+    return SinkWindowVerifier(LocalBackend(loaded.model, loaded.spec, geometry.max_block).open(geometry, log), log)
 
 
 def ref_block(v: SinkWindowVerifier, tokens: list[int], all_logits: bool = True, keep: int | None = None) -> np.ndarray:
@@ -110,21 +112,23 @@ async def fails_closed(call: grpc.aio.StreamStreamCall, code: int, status: grpc.
     return reply.error
 
 
-def spawn_worker(layers: str, *flags: str, port: int = 0, rollback: int, stderr: int = subprocess.DEVNULL) -> subprocess.Popen:
-    """A real `python -m inference_engine shard-worker` subprocess (wait for it with `worker_ready`)."""
+def spawn_worker(layers: str, *flags: str, port: int = 0, rollback: int | None = None,
+                 stderr: int = subprocess.DEVNULL, module: str = "inference_engine") -> subprocess.Popen:
+    """A real `python -m inference_engine shard-worker` subprocess (wait for it with `worker_ready`).
+
+    `module="tests.fixtures.fault_worker"` starts the fault-injecting TEST FIXTURE instead.
+    """
+    command = ["shard-worker"] if module == "inference_engine" else []
     return subprocess.Popen(
-        [sys.executable, "-m", "inference_engine", "shard-worker", "--layers", layers, "--port", str(port),
-         "--max-rollback", str(rollback), *flags],
+        [sys.executable, "-m", module, *command, "--layers", layers, "--port", str(port),
+         *(["--max-rollback", str(rollback)] if rollback is not None else []), *flags],
         stdout=subprocess.PIPE, stderr=stderr, text=True,
     )
 
 
 def worker_ready(proc: subprocess.Popen) -> str:
-    """The worker's address from its readiness line (asserts the line)."""
-    line = proc.stdout.readline()
-    err = proc.stderr.read() if proc.stderr is not None and proc.poll() is not None else ""
-    assert line.startswith("listening on 127.0.0.1:"), (line, err)
-    return line.split()[-1]
+    """The worker's address from its readiness line."""
+    return wait_ready(proc)
 
 
 @contextlib.contextmanager

@@ -84,3 +84,14 @@ def test_server_rss_grows_with_sessions(report):
     sessions = report["meta"]["plan"]["sessions"]
     assert 100 < m["idle_mib"] <= m[f"sessions_{sessions}_mib"] and m["sessions_1_mib"] > 100
     assert m["kv_bytes_per_session"] > 0
+
+
+def test_concurrency_section(report):
+    c = report["concurrency"]
+    agg = c["aggregate"]
+    assert agg["one"]["sessions"] == 1 and agg["many"]["sessions"] == report["meta"]["plan"]["sessions"]
+    assert agg["many"]["tokens"] == agg["many"]["sessions"] * report["meta"]["plan"]["new_tokens"]
+    assert agg["many_over_one"] > 0 and agg["first_stream_identical"]  # a session's stream never depends on others
+    assert c["ttft"]["idle_ms"] > 0 and c["ttft"]["loaded_over_idle"] > 0
+    assert c["head_of_line"]["gaps_during_append"] >= 1 and c["head_of_line"]["max_over_idle"] > 0
+    assert c["lookup"]["identical"] and c["lookup"]["lookup_over_greedy"] > 0

@@ -6,8 +6,6 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
-
 from inference_engine.blas import find_openblas, row_gemv_library
 from tests.blas_env import linux_openblas
 

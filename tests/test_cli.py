@@ -9,6 +9,7 @@ import time
 import grpc
 import pytest
 
+from inference_engine.readiness import wait_ready
 from inference_engine.v1 import runtime_pb2 as pb
 from inference_engine.v1 import runtime_pb2_grpc as pb_grpc
 from tests.blas_env import EXPECTED_BLAS, linux_openblas
@@ -21,9 +22,7 @@ def _start(*flags: str, env: dict | None = None) -> tuple[subprocess.Popen, str]
         [sys.executable, "-m", "inference_engine", "serve", "--port", "0", *flags],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )
-    line = proc.stdout.readline()
-    assert line.startswith("listening on 127.0.0.1:"), (line, proc.stderr.read() if proc.poll() is not None else "")
-    return proc, line.split()[-1]
+    return proc, wait_ready(proc)
 
 
 def test_serve_readiness_drain_and_sigterm(real_model_path):

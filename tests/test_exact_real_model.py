@@ -10,9 +10,9 @@ import pytest
 from inference_engine.blas import active_blas
 from inference_engine.runtime.engine import Engine
 from inference_engine.v1 import runtime_pb2 as pb
+from tests.blas_env import EXPECTED_BLAS, linux_openblas
 from tests.conftest import running_server
 from tests.exactness import chunkings, feed
-from tests.blas_env import EXPECTED_BLAS, linux_openblas
 
 pytestmark = pytest.mark.real_model
 

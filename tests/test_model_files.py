@@ -1,9 +1,7 @@
 """GGUF conversion, the packaged-model locator, the loader and BLAS detection."""
 
 import json
-import os
 import types
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np

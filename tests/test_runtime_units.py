@@ -3,15 +3,16 @@
 import argparse
 import time
 
+import mlx.core as mx
 import pytest
 
 from inference_engine import config as config_mod
 from inference_engine.errors import InvariantViolation, PoolExhausted, SessionBusy, SessionNotFound
-from inference_engine.runtime.coordinator import AppendTokensCoordinator
 from inference_engine.runtime.engine import Engine
-from inference_engine.runtime.session import Session
-from inference_engine.runtime.session_store import SessionStore
 from inference_engine.server.status_codes import status_of
+from inference_engine.session.session import Session
+from inference_engine.session.session_store import SessionStore
+from inference_engine.verifier import executor as executor_mod
 from inference_engine.verifier import tile_probe
 
 
@@ -23,37 +24,69 @@ def engine(tiny):
 
 
 def _session(engine) -> Session:
-    return Session(SessionStore.new_id(), engine.make_verifier(2, 8), 2, 8, (1,), "t")
+    sid = SessionStore.new_id()
+    return Session(sid, engine.open_session(2, 8, "t"), 2, 8, (1,), "t")
 
 
-def test_failed_compute_rebuilds_from_history(engine, monkeypatch):
+@pytest.mark.parametrize("tokens", [[6, 7], list(range(6, 40))])  # within the ring's slack, and far beyond it
+def test_failed_compute_commits_nothing_and_leaves_the_cache_exact(engine, monkeypatch, tokens):
     s = _session(engine)
-    coord = AppendTokensCoordinator(s, lambda: engine.make_verifier(2, 8))
+    coord = s.coordinator
     coord.append([1, 2, 3, 4, 5])
-    digest = s.verifier.state_digest()
-    real = s.verifier.forward_block
+    digest = coord.verifier.state_digest()
+    real, calls = executor_mod.forward, []
 
-    def explode(tokens, all_logits=True):
-        real(tokens, all_logits)  # the cache advances, then compute "fails"
+    def explode(model, x, cache, *args, **kw):
+        calls.append(len(x))
+        if len(calls) > 1:  # the rebuild's replay computes normally
+            return real(model, x, cache, *args, **kw)
+        real(model, x[:3], cache, *args, **kw)  # the cache advances, then compute "fails"
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(s.verifier, "forward_block", explode)
+    monkeypatch.setattr(executor_mod, "forward", explode)
     with pytest.raises(RuntimeError, match="boom"):
-        coord.append([6, 7])
-    assert s.history == [1, 2, 3, 4, 5] and s.verifier.state_digest() == digest
-    coord.append([6, 7])
-    assert s.verifier.next_global_position == 7
+        coord.append(tokens)
+    monkeypatch.undo()
+    assert list(s.history) == [1, 2, 3, 4, 5]
+    assert coord.state_digest() == digest  # back where it was (rebuilt from the log if need be)
+    assert calls == [len(tokens)] + ([5] if len(tokens) > 21 else [])  # a rebuild only beyond the ring's slack
+    coord.append(tokens)
+    ref = _session(engine)
+    ref.coordinator.append([1, 2, 3, 4, 5, *tokens])
+    assert coord.verifier.state_digest() == ref.coordinator.verifier.state_digest()
 
 
 def test_invariant_violation_is_reported(engine):
     s = _session(engine)
-    coord = AppendTokensCoordinator(s, lambda: engine.make_verifier(2, 8))
+    coord = s.coordinator
     coord.append([1, 2, 3])
-    s.history.append(9)  # history ahead of the cache: INV-2 broken
+    s.history.extend([9])  # the log ahead of the cache: INV-2 broken
     with pytest.raises(InvariantViolation, match="next_global_position 3 != history length 4"):
         coord.append([4])
     assert status_of(InvariantViolation("x")).name == "FAILED_PRECONDITION"
     assert status_of(KeyError("x")).name == "INTERNAL"
+
+
+def test_restore_undoes_an_append_within_and_beyond_the_rollback_room(engine):
+    s = _session(engine)
+    coord = s.coordinator
+    coord.append(list(range(1, 12)))
+    digest, mark = coord.verifier.state_digest(), coord.checkpoint()
+    coord.append([20, 21])
+    coord.restore(mark)  # a trim
+    assert coord.verifier.state_digest() == digest and len(s.history) == 11
+    coord.append(list(range(30, 60)))  # wraps the window many times
+    coord.restore(mark)  # a rebuild from the log
+    assert coord.verifier.state_digest() == digest and list(s.history) == list(range(1, 12))
+    deep = coord.checkpoint(tokens_to_come=30)
+    assert deep.kv is not None and mark.kv is None
+    coord.append(list(range(30, 60)))
+    coord.restore(deep)  # the K/V snapshot put back
+    assert coord.verifier.state_digest() == digest and list(s.history) == list(range(1, 12))
+    coord.append([20, 21])
+    ref = _session(engine)
+    ref.coordinator.append(list(range(1, 12)) + [20, 21])
+    assert coord.verifier.state_digest() == ref.coordinator.verifier.state_digest()
 
 
 def test_store_pool_busy_and_ttl(engine):
@@ -95,10 +128,23 @@ async def test_closed_engine_is_unavailable(tiny):
     assert status_of(err.value).name == "UNAVAILABLE"
 
 
-def test_probe_detects_row_variance(tiny, monkeypatch):
+class _RowVariantLinear:
+    """A linear whose rows pick up a bias once 3 or more share a call (a batch-variant BLAS)."""
+
+    def __init__(self, w: mx.array):
+        self.w = w
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return x @ self.w.T + (1e-3 if x.shape[-2] >= 3 else 0.0)
+
+
+def test_probe_finds_the_tile_and_detects_row_variance(tiny, monkeypatch):
     r = tile_probe.probe_tile(tiny.model, max_candidate=4)
-    assert 1 <= r.tile <= 4 and len(r.shapes) == 5
-    assert r.is_exact_possible
+    assert r.tile == 4 and len(r.shapes) == 5 and r.is_exact_possible and not r.failures
+    w = mx.random.normal((48, 64))
+    monkeypatch.setattr(tile_probe, "_linears", lambda model: {(64, 48): _RowVariantLinear(w)})
+    r = tile_probe.probe_tile(tiny.model, max_candidate=4)
+    assert r.tile == 2 and any("64->48: M=3" in f for f in r.failures)
 
 
 def test_config_from_flags(monkeypatch, tmp_path):

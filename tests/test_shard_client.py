@@ -12,10 +12,15 @@ import numpy as np
 import pytest
 
 from inference_engine.errors import InvariantViolation
-from inference_engine.shard import hop_stream
-from inference_engine.shard.errors import FlowControlViolation, MalformedShardOutput, ShardError, ShardUnavailable
-from inference_engine.shard.pipeline import ShardPipeline
-from inference_engine.shard.tensor_codec import encode_tensor
+from inference_engine.shard.client import hop_stream
+from inference_engine.shard.client.pipeline import ShardPipeline
+from inference_engine.shard.protocol.errors import (
+    FlowControlViolation,
+    MalformedShardOutput,
+    ShardError,
+    ShardUnavailable,
+)
+from inference_engine.shard.protocol.tensor_codec import encode_tensor
 from inference_engine.v1 import shard_runtime_pb2 as pb
 from inference_engine.v1 import shard_runtime_pb2_grpc as pb_grpc
 

@@ -1,8 +1,8 @@
 """The ShardEngine contract, run against the MLX engine and the fault injector (faults off)."""
 
-from inference_engine.shard.fault_config import FaultConfig
-from inference_engine.shard.fault_injection import FaultInjectingEngine
-from inference_engine.shard.mlx_engine import MlxShardEngine
+from inference_engine.shard.worker.mlx_engine import MlxShardEngine
+from tests.fixtures.fault_config import FaultConfig
+from tests.fixtures.fault_injection import FaultInjectingEngine
 from tests.shard_contract import ShardEngineContract
 
 

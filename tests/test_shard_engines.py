@@ -7,14 +7,15 @@ import numpy as np
 import pytest
 
 from inference_engine.errors import InvalidRequest, InvariantViolation, PoolExhausted
+from inference_engine.model import forward as forward_module
 from inference_engine.model.loader import random_model
-from inference_engine.shard import mlx_engine
-from inference_engine.shard.errors import ShardUnavailable, WorkCancelled
-from inference_engine.shard.fault_config import FaultConfig
-from inference_engine.shard.fault_injection import FaultInjectingEngine
-from inference_engine.shard.mlx_engine import MlxShardEngine, load_weights, model_fingerprint
-from inference_engine.shard.types import LayerRange, ShardWork
+from inference_engine.shard.protocol.errors import ShardUnavailable, WorkCancelled
+from inference_engine.shard.protocol.types import LayerRange, ShardWork
+from inference_engine.shard.worker import mlx_engine
+from inference_engine.shard.worker.mlx_engine import MlxShardEngine, load_weights, model_fingerprint
 from inference_engine.verifier.kv_cache import CacheGeometry
+from tests.fixtures.fault_config import FaultConfig
+from tests.fixtures.fault_injection import FaultInjectingEngine
 from tests.shard_helpers import GEOMETRY, ref_block, reference, run_chain
 
 TOKENS = np.random.default_rng(3).integers(0, 256, 40).tolist()
@@ -29,14 +30,14 @@ def full(tiny):
 
 
 def _cancel_after_first_chunk(monkeypatch, engine, work_id):
-    real = mlx_engine.run_layers
+    real = forward_module.forward_rows
 
     def run_then_cancel(*args):
         out = real(*args)
         engine.cancel("s", work_id)
         return out
 
-    monkeypatch.setattr(mlx_engine, "run_layers", run_then_cancel)
+    monkeypatch.setattr(forward_module, "forward_rows", run_then_cancel)
 
 
 def test_cancel_mid_block_within_rollback_restores_the_cache(full, tiny, monkeypatch):
@@ -63,10 +64,10 @@ def test_cancel_mid_block_beyond_rollback_breaks_the_session(tiny, monkeypatch):
 
 
 def test_compute_failure_breaks_the_session(full, monkeypatch):
-    def boom(*args):
+    def boom(*args, **kwargs):
         raise RuntimeError("simulated MLX failure")
 
-    monkeypatch.setattr(mlx_engine, "run_layers", boom)
+    monkeypatch.setattr(mlx_engine, "forward", boom)
     with pytest.raises(RuntimeError, match="simulated"):
         full.prefill("s", ShardWork(1, 0, (1, 2), None))
     monkeypatch.undo()

@@ -9,14 +9,14 @@ import pytest
 
 from inference_engine.errors import InvalidRequest, InvariantViolation, PoolExhausted, SessionNotFound
 from inference_engine.model.loader import random_model
-from inference_engine.shard.errors import DeadlineExpired, EpochStale, MalformedShardOutput, ShardUnavailable
-from inference_engine.shard.fault_config import FaultConfig
-from inference_engine.shard.fault_injection import FaultInjectingEngine
-from inference_engine.shard import mlx_engine
-from inference_engine.shard.mlx_engine import MlxShardEngine
-from inference_engine.shard.pipeline import ShardPipeline
-from inference_engine.shard.types import LayerRange
+from inference_engine.shard.client.pipeline import ShardPipeline
+from inference_engine.shard.protocol.errors import DeadlineExpired, EpochStale, MalformedShardOutput, ShardUnavailable
+from inference_engine.shard.protocol.types import LayerRange
+from inference_engine.shard.worker import mlx_engine
+from inference_engine.shard.worker.mlx_engine import MlxShardEngine
 from inference_engine.verifier.sink_window_verifier import state_digest
+from tests.fixtures.fault_config import FaultConfig
+from tests.fixtures.fault_injection import FaultInjectingEngine
 from tests.shard_helpers import ref_block, reference, shard_server
 
 TOKENS = np.random.default_rng(11).integers(0, 256, 80).tolist()

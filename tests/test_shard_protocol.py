@@ -7,15 +7,15 @@ import grpc
 import numpy as np
 import pytest
 
-from inference_engine.shard import session_stream
-from inference_engine.shard.engine import ShardEngine
-from inference_engine.shard.fault_config import FaultConfig
-from inference_engine.shard.fault_injection import FaultInjectingEngine
-from inference_engine.shard.mlx_engine import MlxShardEngine
-from inference_engine.shard.tensor_codec import decode_tensor, encode_tensor
-from inference_engine.shard.types import LayerRange
+from inference_engine.shard.protocol.tensor_codec import decode_tensor, encode_tensor
+from inference_engine.shard.protocol.types import LayerRange
+from inference_engine.shard.worker import session_stream
+from inference_engine.shard.worker.engine import ShardEngine
+from inference_engine.shard.worker.mlx_engine import MlxShardEngine
 from inference_engine.v1 import shard_runtime_pb2 as pb
 from inference_engine.verifier.kv_cache import CacheGeometry
+from tests.fixtures.fault_config import FaultConfig
+from tests.fixtures.fault_injection import FaultInjectingEngine
 from tests.shard_helpers import chunk_msg, fails_closed, open_msg, opened, ref_block, reference, shard_server
 
 E = pb  # error codes read as E.SHARD_ERROR_...

@@ -1,6 +1,7 @@
-"""RemoteExecutor over real in-process shard workers (tiny model, head [0,1) + tail [1,2)):
-a verifier on the route is bitwise a local one, and a worker that dies and comes back is
-invisible to the caller (replay), while one that stays dead is UNAVAILABLE."""
+"""RouteBackend over real in-process shard workers (tiny model, head [0,1) + tail [1,2)):
+a verifier on the route is bitwise a local one, a worker that dies and comes back is
+invisible to the caller (replay from the session's log), one that stays dead is
+UNAVAILABLE, several sessions' blocks go out together, and closing frees the workers' slots."""
 
 import asyncio
 import contextlib
@@ -9,14 +10,16 @@ import numpy as np
 import pytest
 
 from inference_engine.runtime.engine import Engine
-from inference_engine.shard.errors import ShardUnavailable
-from inference_engine.shard.fault_config import FaultConfig
-from inference_engine.shard.fault_injection import FaultInjectingEngine
-from inference_engine.shard.mlx_engine import MlxShardEngine
-from inference_engine.shard.pipeline import ShardPipeline
-from inference_engine.shard.remote_executor import RemoteExecutor, ShardRoute
-from inference_engine.shard.types import LayerRange
+from inference_engine.shard.client.route import ShardRoute
+from inference_engine.shard.client.route_backend import RemoteExecutor, RouteBackend
+from inference_engine.shard.protocol.errors import ShardUnavailable
+from inference_engine.shard.protocol.types import LayerRange
+from inference_engine.shard.worker.mlx_engine import MlxShardEngine
 from inference_engine.verifier.sink_window_verifier import SinkWindowVerifier
+from tests.fixtures.fault_config import FaultConfig
+from tests.fixtures.fault_injection import FaultInjectingEngine
+from inference_engine.v1 import runtime_pb2 as pb
+from tests.conftest import running_server
 from tests.shard_helpers import shard_server
 
 TOKENS = np.random.default_rng(3).integers(0, 256, 60).tolist()
@@ -25,18 +28,20 @@ SINK, WINDOW = 2, 6
 
 @contextlib.asynccontextmanager
 async def _served(tiny, recovery_s: float = 5.0):
-    """An engine whose target runs on a 2-worker route; yields it and the tail's fault switch."""
+    """An engine whose target runs on a 2-worker route; yields it, the tail's fault switch and both engines."""
     head = MlxShardEngine(tiny.model, LayerRange(0, 1), block=8, max_rollback=9)
     tail = FaultInjectingEngine(MlxShardEngine(tiny.model, LayerRange(1, 2), block=8, max_rollback=9))
     engine = Engine(tiny, exact=True, max_tile=4, plain_block=64, max_rollback=8)
     async with contextlib.AsyncExitStack() as stack:
         addresses = [(await stack.enter_async_context(shard_server(e)))[1] for e in (head, tail)]
-        pipeline = await stack.enter_async_context(ShardPipeline(addresses))
-        engine.use_route(ShardRoute(pipeline, asyncio.get_running_loop(), recovery_s, retry_interval_s=0.05))
+        route = ShardRoute(addresses, recovery_s, retry_interval_s=0.05)
+        await route.start()
+        engine.use_backend(RouteBackend(route, tiny.spec, engine.block))
         try:
-            yield engine, tail
+            yield engine, tail, (head, tail)
         finally:
             engine.close()
+            await route.stop()
 
 
 def _script(v: SinkWindowVerifier, before_step=lambda i: None) -> list[str]:
@@ -55,7 +60,7 @@ def _script(v: SinkWindowVerifier, before_step=lambda i: None) -> list[str]:
 
 
 async def test_route_verifier_is_bitwise_the_local_one(tiny):
-    async with _served(tiny) as (engine, _):
+    async with _served(tiny) as (engine, _, _):
         local = Engine(tiny, exact=True, max_tile=4, plain_block=64, max_rollback=8)
         try:
             want = _script(local.make_verifier(SINK, WINDOW))
@@ -68,7 +73,7 @@ async def test_route_verifier_is_bitwise_the_local_one(tiny):
 
 
 async def test_worker_death_mid_script_is_invisible(tiny):
-    async with _served(tiny) as (engine, tail):
+    async with _served(tiny) as (engine, tail, _):
         local = Engine(tiny, exact=True, max_tile=4, plain_block=64, max_rollback=8)
         want = _script(local.make_verifier(SINK, WINDOW))
         local.close()
@@ -77,22 +82,73 @@ async def test_worker_death_mid_script_is_invisible(tiny):
         def crash(i: int) -> None:
             # The tail dies at step 2's forward and at step 6's trim (after its forward); back 0.2 s later.
             if i in (2, 6):
-                tail.faults, tail._calls = FaultConfig(crash_after=1 if i == 2 else 2), 1
-                loop.call_soon_threadsafe(loop.call_later, 0.2, setattr, tail, "faults", FaultConfig())
+                tail.inject(FaultConfig(crash_after=1 if i == 2 else 2), calls=1)
+                loop.call_soon_threadsafe(loop.call_later, 0.2, tail.inject, FaultConfig())
 
         v = await engine.run(engine.make_verifier, SINK, WINDOW)
         assert await engine.run(_script, v, crash) == want
 
 
 async def test_worker_that_stays_dead_is_unavailable_then_recovers(tiny):
-    async with _served(tiny, recovery_s=0.3) as (engine, tail):
+    async with _served(tiny, recovery_s=0.3) as (engine, tail, _):
         v = await engine.run(engine.make_verifier, SINK, WINDOW)
         await engine.run(v.prefill, TOKENS[:9])
-        tail.faults, tail._calls = FaultConfig(crash_after=1), 1
+        tail.inject(FaultConfig(crash_after=1), calls=1)
         with pytest.raises(ShardUnavailable, match="is not answering .* retry shortly"):
             await engine.run(v.forward_block, TOKENS[9:12])
         with pytest.raises(ShardUnavailable):
             await engine.run(engine.make_verifier, SINK, WINDOW)
-        tail.faults = FaultConfig()
+        tail.inject(FaultConfig())
         logits = await engine.run(v.forward_block, TOKENS[9:12])
         assert logits.shape == (3, tiny.spec.vocab_size) and v.executor.offset == 12
+
+
+async def test_blocks_of_several_sessions_go_out_together_and_close_frees_the_slots(tiny):
+    async with _served(tiny) as (engine, _, workers):
+        local = Engine(tiny, exact=True, max_tile=4, plain_block=64, max_rollback=8)
+        try:
+            want = [local.make_verifier(SINK, WINDOW) for _ in range(3)]
+            for i, v in enumerate(want):
+                v.prefill(TOKENS[i : i + 9])
+            got = [await engine.run(engine.make_verifier, SINK, WINDOW) for _ in range(3)]
+            assert all(w.metrics().sessions == 3 for w in workers)
+
+            def together() -> None:
+                blocks = [v.begin_block(TOKENS[i : i + 9], all_logits=False) for i, v in enumerate(got)]
+                for v, out in zip(got, engine.backend.forward(blocks)):
+                    v.end_block(out)
+                    v.commit_or_truncate(9, 9)
+
+            await engine.run(together)
+            assert [await engine.run(v.state_digest) for v in got] == [v.state_digest() for v in want]
+            for v in got:
+                v.executor.close()
+                v.executor.close()  # idempotent
+            for _ in range(100):  # the release goes out in the background
+                if all(w.metrics().sessions == 0 for w in workers):
+                    break
+                await asyncio.sleep(0.02)
+            assert [w.metrics().sessions for w in workers] == [0, 0]
+        finally:
+            local.close()
+
+
+async def _sessions_on(workers, want: int) -> list[int]:
+    for _ in range(200):  # releases go out in the background
+        if all(w.metrics().sessions == want for w in workers):
+            break
+        await asyncio.sleep(0.02)
+    return [w.metrics().sessions for w in workers]
+
+
+async def test_close_session_and_expiry_free_the_workers_slots(tiny):
+    async with _served(tiny) as (engine, _, workers), running_server(engine, session_ttl_s=1.0) as (stub, _):
+        sids = [(await stub.CreateSession(pb.CreateSessionRequest(sink_tokens=SINK, window_tokens=WINDOW))).session_id
+                for _ in range(2)]
+        for sid in sids:
+            await stub.AppendTokens(pb.AppendTokensRequest(session_id=sid, tokens=TOKENS[:9]))
+        assert await _sessions_on(workers, 2) == [2, 2]
+        await stub.CloseSession(pb.CloseSessionRequest(session_id=sids[0]))
+        assert await _sessions_on(workers, 1) == [1, 1]
+        await asyncio.sleep(1.5)  # the other one expires (the sweeper runs every ttl/4)
+        assert await _sessions_on(workers, 0) == [0, 0]

@@ -19,14 +19,19 @@ import grpc
 import numpy as np
 import pytest
 
+from inference_engine.blas import active_blas
 from inference_engine.config import add_server_flags, config_from_args
-from inference_engine.runtime import engine as engine_module
-from inference_engine.runtime.engine import Engine, check_route_compatible
+from inference_engine.errors import InvalidRequest
+from inference_engine.model.loader import model_fingerprint
+from inference_engine.readiness import wait_ready
+from inference_engine.runtime.engine import Engine
+from inference_engine.server import server as server_module
 from inference_engine.server.server import connect_shards
-from inference_engine.shard.pipeline import ShardPipeline
-from inference_engine.shard.remote_executor import ShardRoute
+from inference_engine.shard.client.route import ShardRoute
+from inference_engine.shard.client.route_backend import RouteBackend
 from inference_engine.v1 import runtime_pb2 as pb
 from inference_engine.v1 import runtime_pb2_grpc as pb_grpc
+from inference_engine.verifier.executor import LocalBackend
 from tests.conftest import make_config, running_server
 from tests.shard_helpers import running_workers, spawn_worker, worker_ready
 
@@ -38,7 +43,7 @@ MORE = np.random.default_rng(12).integers(0, 49152, 7).tolist()
 
 
 def _spawn_worker(layers: str, port: int = 0) -> subprocess.Popen:
-    return spawn_worker(layers, port=port, rollback=9)  # the server's rollback room: its max_rollback (8) + 1
+    return spawn_worker(layers, port=port)  # the workers' defaults cover the server's defaults
 
 
 @pytest.fixture(scope="module")
@@ -84,21 +89,23 @@ def single_process(real_engine) -> tuple[list[int], str]:
 
 @contextlib.asynccontextmanager
 async def route_engine(real_model, addresses, recovery_s: float):
-    async with ShardPipeline(addresses) as pipeline:
-        engine = Engine(real_model, exact=True, max_tile=16, plain_block=64, max_rollback=8)
-        try:
-            engine.use_route(ShardRoute(pipeline, asyncio.get_running_loop(), recovery_s, retry_interval_s=0.1))
-            yield engine
-        finally:
-            engine.route.close()
-            await asyncio.to_thread(engine.close)
+    route = ShardRoute(addresses, recovery_s, retry_interval_s=0.1)
+    await route.start()
+    engine = Engine(real_model, exact=True, max_tile=16, plain_block=64, max_rollback=8)
+    try:
+        engine.use_backend(RouteBackend(route, real_model.spec, engine.block))
+        yield engine
+    finally:
+        route.is_closed = True
+        await asyncio.to_thread(engine.close)
+        await route.stop()
 
 
 async def test_route_serves_bitwise_the_single_process(workers, real_model, single_process):
     _, addresses = workers
     async with route_engine(real_model, addresses, 5.0) as engine, running_server(engine) as (stub, _):
         stream, _, info = await _script(stub)
-        assert engine.route.pipeline.hop_stats()[2].calls > 0
+        assert engine.backend.route.pipeline.hop_stats()[2].calls > 0
     want_stream, want_digest = single_process
     assert stream == want_stream and len(stream) == 76
     assert info.state_digest == want_digest and info.exact and info.kv_bytes > 0
@@ -152,10 +159,9 @@ async def test_spawned_worker_killed_mid_generate_continues_exactly(real_model_p
             stdout=subprocess.PIPE, stderr=log_file, text=True,
         )
     try:
-        line = server.stdout.readline()
-        assert line.startswith("listening on 127.0.0.1:"), log_path.read_text()
+        address = wait_ready(server)
         pids = _server_log_pids(log_path)
-        async with grpc.aio.insecure_channel(line.split()[-1]) as channel:
+        async with grpc.aio.insecure_channel(address) as channel:
             stream, _, info = await _script(pb_grpc.RuntimeServiceStub(channel),
                                             kill=lambda: _kill(pids["10:20"]))
         assert "shard worker 10:20" in log_path.read_text().split("exited with status -9; restarting it")[0]
@@ -189,23 +195,26 @@ async def test_connect_shards_checks_the_route(workers, real_model, real_engine,
     _, addresses = workers
     engine = Engine(real_model, exact=True, max_tile=16, plain_block=64, max_rollback=8)
     try:
-        pipeline, supervisor = await connect_shards(make_config(shards=tuple(addresses)), engine)
-        assert supervisor is None and engine.route.pipeline is pipeline and pipeline.max_rollback >= 9
-        with pytest.raises(ValueError, match="needs block 64 .* and rollback 9"):
-            check_route_compatible(engine.route, 64, 9, real_model)
-        with pytest.raises(ValueError, match="this server loaded"):
-            check_route_compatible(engine.route, 1, 1, tiny)
-        with monkeypatch.context() as m:  # a server on other kernels than its workers
-            m.setattr(engine_module, "active_blas", lambda: "reference: bundled")
-            with pytest.raises(ValueError, match="same INFERENCE_ENGINE_NO_ROW_GEMV"):
-                check_route_compatible(engine.route, 1, 1, real_model)
-        await pipeline.close()
+        route, supervisor = await connect_shards(make_config(shards=tuple(addresses)), engine)
+        assert supervisor is None and engine.backend.route is route and route.pipeline.max_rollback >= 9
+        fingerprint, kernels = model_fingerprint(real_model.model), active_blas()
+        with pytest.raises(InvalidRequest, match="needs block 4096 .* and rollback 9"):
+            route.check_serves(fingerprint, kernels, 4096, 9)
+        with pytest.raises(InvalidRequest, match="this server loaded"):
+            route.check_serves(model_fingerprint(tiny.model), kernels, 1, 1)
+        with pytest.raises(InvalidRequest, match="same BLAS and kernel"):
+            route.check_serves(fingerprint, "reference: bundled", 1, 1)
+        await route.stop()
+        with monkeypatch.context() as m:  # a server on other kernels than its workers refuses the route
+            m.setattr(server_module, "active_blas", lambda: "reference: bundled")
+            with pytest.raises(OSError, match="same BLAS and kernel"):
+                await connect_shards(make_config(shards=tuple(addresses)), engine)
     finally:
         engine.close()
     assert await connect_shards(make_config(), real_engine) == (None, None)
     with pytest.raises(OSError, match="shard route 127.0.0.1:1: "):
         await connect_shards(make_config(shards=("127.0.0.1:1",)), real_engine)
-    assert real_engine.route is None
+    assert isinstance(real_engine.backend, LocalBackend)
 
 
 @pytest.mark.parametrize("flags,expected", [

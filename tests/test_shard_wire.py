@@ -7,8 +7,7 @@ import numpy as np
 import pytest
 
 from inference_engine.errors import InvalidRequest, InvariantViolation, PoolExhausted, SessionNotFound
-from inference_engine.shard.engine_thread import EngineThread
-from inference_engine.shard.errors import (
+from inference_engine.shard.protocol.errors import (
     EpochStale,
     PayloadCorrupt,
     ShardErrorCode,
@@ -17,12 +16,13 @@ from inference_engine.shard.errors import (
     code_of,
     error_for,
 )
-from inference_engine.shard.mlx_engine import MlxShardEngine
-from inference_engine.shard.route_table import RouteTable
-from inference_engine.shard.servicer import start_shard_server
-from inference_engine.shard.status_codes import error_of_status, grpc_status_of
-from inference_engine.shard.tensor_codec import decode_tensor, encode_tensor, wire_dtype
-from inference_engine.shard.types import LayerRange
+from inference_engine.shard.protocol.status_codes import error_of_status, grpc_status_of
+from inference_engine.shard.protocol.tensor_codec import decode_tensor, encode_tensor, wire_dtype
+from inference_engine.shard.protocol.types import LayerRange
+from inference_engine.shard.worker.engine_thread import EngineThread
+from inference_engine.shard.worker.mlx_engine import MlxShardEngine
+from inference_engine.shard.worker.route_table import RouteTable
+from inference_engine.shard.worker.servicer import start_shard_server
 from inference_engine.v1 import shard_runtime_pb2 as pb
 
 

@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from inference_engine.shard.pipeline import ShardPipeline
+from inference_engine.shard.client.pipeline import ShardPipeline
 from inference_engine.verifier.kv_cache import CacheGeometry
 from inference_engine.verifier.sink_window_verifier import state_digest
 from tests.shard_helpers import ref_block, reference, running_workers, spawn_worker
@@ -18,13 +18,14 @@ pytestmark = pytest.mark.real_model
 SINK, WINDOW, ROLLBACK = 4, 24, 8
 
 
-def _spawn(layers: str, *flags: str) -> subprocess.Popen:
-    return spawn_worker(layers, *flags, rollback=ROLLBACK, stderr=subprocess.PIPE)
+def _spawn(layers: str, *flags: str, module: str = "inference_engine") -> subprocess.Popen:
+    return spawn_worker(layers, *flags, rollback=ROLLBACK, stderr=subprocess.PIPE, module=module)
 
 
 @pytest.fixture(scope="module")
 def workers(real_model_path):
-    with running_workers([_spawn("0:10"), _spawn("10:20", "--inject-faults", "delay=0"), _spawn("20:30")]) as w:
+    middle = _spawn("10:20", "--inject-faults", "delay=0", module="tests.fixtures.fault_worker")
+    with running_workers([_spawn("0:10"), middle, _spawn("20:30")]) as w:
         yield w
 
 
@@ -73,14 +74,14 @@ def test_workers_exit_0_on_sigterm_and_refuse_bad_ranges(workers, real_model_pat
     assert "exceeds the model's 30 layers" in bad.stderr.read()
 
 
-@pytest.mark.parametrize("flags,match", [
-    (["--layers", "5"], "START:END"),
-    (["--layers", "0:2", "--inject-faults", "boom=1"], "unknown fault"),
-    (["--layers", "0:2", "--max-credits", "0"], "--max-credits"),
+@pytest.mark.parametrize("command,flags,match", [
+    (["inference_engine", "shard-worker"], ["--layers", "5"], "START:END"),
+    (["inference_engine", "shard-worker"], ["--layers", "0:2", "--inject-faults", "delay=0"], "unrecognized arguments"),
+    (["tests.fixtures.fault_worker"], ["--layers", "0:2", "--inject-faults", "boom=1"], "unknown fault"),
+    (["inference_engine", "shard-worker"], ["--layers", "0:2", "--max-credits", "0"], "--max-credits"),
 ])
-def test_bad_flags_are_usage_errors(flags, match):
-    out = subprocess.run([sys.executable, "-m", "inference_engine", "shard-worker", *flags],
-                         capture_output=True, text=True, timeout=60)
+def test_bad_flags_are_usage_errors(command, flags, match):
+    out = subprocess.run([sys.executable, "-m", *command, *flags], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and match in out.stderr
 
 
@@ -117,8 +118,9 @@ def test_worker_tied_to_a_parent_stops_when_the_parent_is_killed(real_model_path
 
 
 def test_parent_pid_must_not_be_negative():
-    from inference_engine.shard.worker_config import add_worker_flags, worker_config_from_args
     import argparse
+
+    from inference_engine.shard.worker.config import add_worker_flags, worker_config_from_args
 
     parser = argparse.ArgumentParser()
     add_worker_flags(parser)

@@ -1,22 +1,16 @@
 """Speculative decoding: drafters, the decode step, and the session gates through the server."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import grpc
 import pytest
 
+from inference_engine.client import spec_gates as spec_gate
 from inference_engine.decoding.drafter import ModelDrafter, PromptLookupDrafter
 from inference_engine.model.loader import random_model
 from inference_engine.runtime.engine import Engine, check_draft_compatible
+from inference_engine.session.session import Session
+from inference_engine.session.session_store import SessionStore
 from inference_engine.v1 import runtime_pb2 as pb
 from tests.conftest import running_server
-
-_spec = importlib.util.spec_from_file_location("spec_gate", Path(__file__).parents[1] / "scripts" / "spec_session_gate.py")
-spec_gate = importlib.util.module_from_spec(_spec)
-sys.modules["spec_gate"] = spec_gate
-_spec.loader.exec_module(spec_gate)
 
 PROMPT = [5, 17, 33, 2, 250, 9, 9, 120, 64, 3, 5, 17, 33, 2, 250, 9]
 
@@ -29,32 +23,55 @@ def engine(tiny):
     e.close()
 
 
-def test_prompt_lookup_proposals():
+def _session(engine, tokens: list[int]) -> Session:
+    s = Session(SessionStore.new_id(), engine.open_session(2, 8), 2, 8, (1,), "")
+    s.coordinator.append(tokens)
+    return s
+
+
+def test_prompt_lookup_proposals(engine):
     d = PromptLookupDrafter(max_ngram=3)
-    assert d.propose([1, 2, 3, 4, 5, 1, 2, 3], 3) == [4, 5, 1]
-    assert d.propose([1, 2, 3, 9, 2, 3], 2) == [9, 2]  # 2-gram match
-    assert d.propose([7, 8, 9], 4) == []  # no match
-    assert d.propose([4, 4, 4], 4) == [4]  # only what exists after the match
-    assert d.propose([4, 5, 4], 4) == []  # 1-gram matches are not proposed by default
-    assert PromptLookupDrafter(min_ngram=1).propose([4, 5, 4], 2) == [5, 4]
-    assert d.propose([1, 2, 1, 3, 1, 2], 2) == [1, 3]  # longest n-gram, most recent match
+
+    def propose(context: list[int], k: int, drafter: PromptLookupDrafter = d) -> list[int]:
+        return drafter.propose(_session(engine, context[:-1]), context[-1], k)
+
+    assert propose([1, 2, 3, 4, 5, 1, 2, 3], 3) == [4, 5, 1]
+    assert propose([1, 2, 3, 9, 2, 3], 2) == [9, 2]  # 2-gram match
+    assert propose([7, 8, 9], 4) == []  # no match
+    assert propose([4, 4, 4], 4) == [4]  # only what exists after the match
+    assert propose([4, 5, 4], 4) == []  # 1-gram matches are not proposed by default
+    assert propose([4, 5, 4], 2, PromptLookupDrafter(min_ngram=1)) == [5, 4]
+    assert propose([1, 2, 1, 3, 1, 2], 2) == [1, 3]  # longest n-gram, most recent match
 
 
-def test_model_drafter_follows_context_lazily(engine):
-    d = ModelDrafter(lambda: engine.make_draft_verifier(2, 8))
-    ctx = PROMPT[:10]
-    a = d.propose(ctx, 4)
-    assert len(a) == 4 and d._fed == ctx + a[:3]
-    # Divergent continuation: the drafter rolls back its own drafts and catches up.
-    b = d.propose(ctx + [a[0], 99, 98], 3)
-    fresh = ModelDrafter(lambda: engine.make_draft_verifier(2, 8))
-    assert b == fresh.propose(ctx + [a[0], 99, 98], 3)
-    # Context equal to what was fed: it re-derives logits for the last token.
-    same = list(d._fed)
-    assert d.propose(same, 2) == fresh.propose(same, 2)
+def test_model_drafter_follows_the_log_lazily(engine):
+    d = ModelDrafter(lambda s: engine.make_draft_cache(2, 8))
+
+    def fresh(tokens: list[int], next_token: int, k: int) -> list[int]:
+        return ModelDrafter(lambda s: engine.make_draft_cache(2, 8)).propose(_session(engine, tokens), next_token, k)
+
+    s = _session(engine, PROMPT[:10])
+    a = d.propose(s, 7, 4)
+    assert len(a) == 4 and s.draft.length == 10 and s.draft.drafted == [7, *a[:3]]
+    # The step accepted 7 and a[0] only; the next proposal rolls back the rest and catches up.
+    s.coordinator.append([7, a[0], 99])
+    assert d.propose(s, 98, 3) == fresh(PROMPT[:10] + [7, a[0], 99], 98, 3)
+    # Everything the cache holds is still the log: it re-derives logits for the last token.
+    s.coordinator.append([98])
+    assert d.propose(s, 5, 2) == fresh(PROMPT[:10] + [7, a[0], 99, 98], 5, 2)
+    # A retracted step lowers the watermark: what followed it is recomputed.
+    s.coordinator.append([5, 6])
+    mark = s.draft.followed.valid
+    s.coordinator.retract(3, None)
+    assert s.draft.followed.valid == min(mark, len(s.history))
+    assert d.propose(s, 11, 2) == fresh(list(s.history), 11, 2)
     # Far apart (beyond the rollback room): rebuilt from scratch.
     other = [int(t) % 256 for t in range(40, 80)]
-    assert d.propose(other, 2) == ModelDrafter(lambda: engine.make_draft_verifier(2, 8)).propose(other, 2)
+    t = _session(engine, other[:10])
+    d.propose(t, 1, 2)
+    t.coordinator.restore(t.coordinator.checkpoint())
+    t.coordinator.append(other[10:])
+    assert d.propose(t, 3, 2) == fresh(other, 3, 2)
 
 
 def test_draft_vocab_mismatch_refused(tiny):
@@ -65,7 +82,7 @@ def test_draft_vocab_mismatch_refused(tiny):
 @pytest.mark.parametrize("drafter", ["lookup", "draft"])
 async def test_session_gates_tiny(engine, drafter):
     async with running_server(engine) as (stub, runtime):
-        report = await spec_gate.run_gates(stub, pb, runtime, PROMPT, [drafter], [1, 4, 8], 24, 3, 8)
+        report = await spec_gate.run_gates(stub, pb, lambda sid: runtime.store.get(sid).history, PROMPT, [drafter], [1, 4, 8], 24, 3, 8)
     assert report.failures == 0, "\n".join(report.lines)
     assert sum(line.startswith("ok: gate") for line in report.lines) == (3 * 3 + 1) + 2 * (5 * 3 + 1)  # widths per K
 
@@ -117,6 +134,6 @@ async def test_session_gates_real_model(real_model, real_model_path, drafter):
     text = tok.apply_chat_template([{"role": "user", "content": spec_gate.PROMPT_TEXT}], add_generation_prompt=True, tokenize=False)
     prompt = tok.encode(text, add_special_tokens=False)
     async with running_server(engine) as (stub, runtime):
-        report = await spec_gate.run_gates(stub, pb, runtime, prompt, [drafter], [4], 16, 4, 32)
+        report = await spec_gate.run_gates(stub, pb, lambda sid: runtime.store.get(sid).history, prompt, [drafter], [4], 16, 4, 32)
     assert report.failures == 0, "\n".join(report.lines)
     engine.close()

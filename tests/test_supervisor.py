@@ -5,13 +5,13 @@ import socket
 
 import pytest
 
-from inference_engine.shard.supervisor import WorkerFlags, WorkerSupervisor
+from inference_engine.shard.client.supervisor import WorkerFlags, WorkerSupervisor
 
 pytestmark = pytest.mark.real_model
 
 
 def _flags(model: str) -> WorkerFlags:
-    return WorkerFlags(host="127.0.0.1", model=model, block=4, max_rollback=4, max_sessions=1, max_sink=4,
+    return WorkerFlags(host="127.0.0.1", model=model, block=4, max_sessions=1, max_sink=4,
                        max_window=16)
 
 

@@ -1,6 +1,5 @@
 """Sink-window verifier on the tiny model: API contract, INV-3, wrap and rollback."""
 
-import mlx.core as mx
 import numpy as np
 import pytest
 

@@ -1,9 +1,9 @@
-"""Drafters propose the tokens greedy decoding is likely to produce next.
+"""Drafters propose the tokens the target is likely to produce next.
 
 Two real implementations: a draft model (a smaller or quantized model sharing the
-tokenizer, with its own sink-window cache per session) and prompt lookup (copies the
-continuation of the latest n-gram match in the session's own history; no model).
-Proposals only affect speed: the target model verifies every token.
+tokenizer, with its own sink-window cache per session that follows the session's token log
+by position) and prompt lookup (copies the continuation of the latest n-gram match in the
+session's own log; no model). Proposals only affect speed: the target verifies every token.
 """
 
 from __future__ import annotations
@@ -13,19 +13,20 @@ from typing import Callable
 
 import mlx.core as mx
 
+from inference_engine.session.session import DraftCache, Session
 from inference_engine.verifier.sink_window_verifier import SinkWindowVerifier
 
 
 class Drafter(ABC):
-    """Per-session proposer of draft tokens."""
+    """Proposer of draft tokens (one per server; per-session state lives in the Session)."""
 
     @abstractmethod
-    def propose(self, context: list[int], k: int) -> list[int]:
-        """Propose up to `k` tokens to follow `context`.
+    def propose(self, session: Session, next_token: int, k: int) -> list[int]:
+        """Propose up to `k` tokens to follow the session's log and then `next_token`.
 
         Args:
-            context: the session's committed history followed by the target's next
-                greedy token (so it is never empty).
+            session: whose log (and draft cache, if any) to use; runs on the engine thread.
+            next_token: the target's own next token (always committed first).
             k: most tokens to propose (>= 1).
         Returns:
             0..k proposed tokens; fewer (or none) when the drafter has no good guess.
@@ -42,9 +43,9 @@ class PromptLookupDrafter(Drafter):
         self.min_ngram = min_ngram
         self.search_window = search_window
 
-    def propose(self, context: list[int], k: int) -> list[int]:
+    def propose(self, session: Session, next_token: int, k: int) -> list[int]:
         """Longest suffix n-gram (n = max_ngram..min_ngram) matched most recently wins."""
-        tail = context[-self.search_window :]
+        tail = session.history.tail(self.search_window - 1) + [next_token]
         for n in range(min(self.max_ngram, len(tail) - 1), self.min_ngram - 1, -1):
             suffix = tail[-n:]
             for j in range(len(tail) - n - 1, -1, -1):
@@ -54,49 +55,62 @@ class PromptLookupDrafter(Drafter):
 
 
 class ModelDrafter(Drafter):
-    """Greedy tokens of a draft model whose cache follows the session's history lazily.
+    """Greedy tokens of a draft model whose per-session cache follows the log lazily.
 
-    The draft cache holds a prefix of `context` plus at most k-1 drafted tokens; on each
-    call it drops tokens that diverge from `context` (a rollback of at most k-1) and
-    computes only the tokens it has not seen.
+    The draft cache holds the first `length` log tokens plus the tokens of its last
+    proposal (`drafted`, starting with the target's token of that step); at each call it
+    keeps what still matches the log, rolls back the rest (at most K) and computes only
+    the tokens it has not seen.
     """
 
-    def __init__(self, make_verifier: Callable[[], SinkWindowVerifier]):
-        self._make_verifier = make_verifier
-        self.verifier = make_verifier()
-        self._fed: list[int] = []  # tokens in the draft cache, in order
+    def __init__(self, make_cache: Callable[[Session], SinkWindowVerifier]):
+        """
+        Args:
+            make_cache: a fresh draft-model cache for a session (same geometry, no token log).
+        """
+        self._make_cache = make_cache
 
-    def _sync(self, context: list[int]) -> None:
-        common = len(self._fed)
-        start = max(0, common - self.verifier.geometry.max_rollback - 1)
-        for i in range(start, min(common, len(context))):
-            if self._fed[i] != context[i]:
-                common = i
-                break
-        else:
-            common = min(common, len(context))
-        if common < start or len(self._fed) - common > self.verifier.geometry.max_rollback:
-            self.verifier, self._fed, common = self._make_verifier(), [], 0  # too far apart: rebuild
-        if len(self._fed) > common:
-            self.verifier.rollback(len(self._fed) - common)
-            del self._fed[common:]
-        if common == len(context):  # need logits after the last context token
-            self.verifier.rollback(1)
-            self._fed.pop()
-        self._feed(context[len(self._fed) :])
+    def _cache(self, session: Session) -> DraftCache:
+        if session.draft is None:
+            session.draft = DraftCache(self._make_cache(session), session.history.watermark())
+        return session.draft
 
-    def _feed(self, tokens: list[int]) -> None:
-        self.verifier.forward_block(tokens, all_logits=False)
-        self.verifier.commit_or_truncate(len(tokens), len(tokens))
-        self._fed.extend(tokens)
+    def _sync(self, session: Session, next_token: int) -> DraftCache:
+        """Make the draft cache hold exactly log + [next_token] except its last token, with logits after it."""
+        d, log = self._cache(session), session.history
+        n = len(log)
+        context_at = lambda i: log[i] if i < n else next_token  # noqa: E731 - context = log + [next_token]
+        held = d.length + len(d.drafted)  # == the draft cache's position
+        common = min(d.followed.valid, d.length, n)
+        if common == d.length:
+            for i, t in enumerate(d.drafted):
+                if d.length + i > n or context_at(d.length + i) != t:
+                    break
+                common += 1
+        room = d.verifier.geometry.max_rollback
+        if held - common > room:
+            d = session.draft = DraftCache(self._make_cache(session), log.watermark())  # too far apart: rebuild
+            held = common = 0
+        if common == n + 1:  # need the logits after the last context token: recompute it
+            common -= 1
+        if held > common:
+            d.verifier.rollback(held - common)
+        todo = [context_at(i) for i in range(common, n + 1)]
+        d.verifier.forward_block(todo, all_logits=False)
+        d.verifier.commit_or_truncate(len(todo), len(todo))
+        d.length, d.drafted = n, [next_token]
+        d.followed.valid = n
+        return d
 
-    def propose(self, context: list[int], k: int) -> list[int]:
-        """k greedy tokens of the draft model after `context`."""
-        self._sync(context)
+    def propose(self, session: Session, next_token: int, k: int) -> list[int]:
+        """k greedy tokens of the draft model after the log and `next_token`."""
+        d = self._sync(session, next_token)
         out: list[int] = []
         for i in range(k):
-            token = int(mx.argmax(self.verifier.next_token_logits).item())
+            token = int(mx.argmax(d.verifier.next_token_logits).item())
             out.append(token)
             if i < k - 1:
-                self._feed([token])
+                d.verifier.forward_block([token], all_logits=False)
+                d.verifier.commit_or_truncate(1, 1)
+                d.drafted.append(token)
         return out

@@ -1,48 +1,65 @@
 """The model as a function of (tokens, cache): one forward path for every step.
 
-Prefill, append, decode and verification all call `forward`: rows run in chunks of at
-most `max_block` (a tile size whose matmul bits were probed to be row-invariant), each
-block runs as compiled pieces over fused projections (fused_block.py), and attention
-reads each row's canonical key list from the sink-window cache.
+Prefill, append, decode and verification all run `forward_rows`: the rows of one or more
+sessions (segments) go through the transformer blocks together, so each weight is read
+once for all of them, while attention reads each row's own session cache. A row's bits
+never depend on its companions: every matmul is row-invariant for blocks up to the probed
+tile (verifier/tile_probe.py), RoPE takes each row's own global position, and attention
+is per (row, KV head) over a key prefix fixed by the row's position (kv_protocol.py).
+
+`forward` is the one chunk loop (blocks of at most `max_block` rows) for a single
+session, used by the local executor and by shard workers running a layer range.
 """
 
 from __future__ import annotations
 
-from functools import lru_cache
+from dataclasses import dataclass, replace
+from typing import Callable, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from inference_engine.model.fused_block import fused_block
-from inference_engine.verifier.kv_cache import CacheGeometry, SinkWindowKVCache
+from inference_engine.model.kv_protocol import KVCache
 
 
-def _block(layer: nn.Module, h: mx.array, cache: SinkWindowKVCache, offset: mx.array) -> mx.array:
-    """One transformer block on (1, L, hidden); the cache receives the L new K/V rows.
+@dataclass(frozen=True)
+class Span:
+    """Which part of the model a forward runs: blocks [start, end), with or without the ends."""
 
-    `offset` is cache.offset as an array (an input of the compiled pieces, so one trace
-    serves every position).
-    """
+    start: int  # first transformer block
+    end: int  # one past the last block
+    embeds: bool  # input is token ids (the head); else hidden states
+    has_lm_head: bool  # output is logits (the tail); else hidden states
+
+    @classmethod
+    def whole(cls, model: nn.Module) -> "Span":
+        """Every block, token ids in, logits out."""
+        return cls(0, len(model.model.layers), True, True)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One session's consecutive rows in a forward."""
+
+    caches: Sequence[KVCache]  # one per block of the span, each advanced by `rows`
+    rows: int  # rows of this session (>= 1)
+    all_logits: bool  # logits of every row (verification), else of the last row only
+
+
+def _block(layer: nn.Module, h: mx.array, positions: mx.array, segments: Sequence[Segment], i: int) -> mx.array:
+    """Transformer block `i` of the span on (1, R, hidden); each segment's cache gets its rows' K/V."""
     f = fused_block(layer)
-    start, length = cache.offset, h.shape[1]
-    q, k, v = f.pre(h, offset, *f.pre_arrays)  # (L, n_kv, rep, D), (n_kv, L, D) x2
-    keys, values, mask = cache.update_and_fetch(k, v)  # (n_kv, S, D) x2, (L, 1, 1, S)
-    outs = [f.core(q[lo:hi], keys[:, :extent, :], values[:, :extent, :], mask[lo:hi, ..., :extent])
-            for lo, hi, extent in _row_groups(cache.geometry, start, length)]
+    q, k, v = f.pre(h, positions, *f.pre_arrays)  # (R, n_kv, rep, D), (n_kv, R, D) x2
+    outs, lo = [], 0
+    for seg in segments:
+        cache, hi = seg.caches[i], lo + seg.rows
+        start = cache.offset
+        keys, values, mask = cache.update_and_fetch(k[:, lo:hi], v[:, lo:hi])  # (n_kv, S, D) x2, (l, 1, 1, S)
+        for a, b, extent in cache.row_groups(start, seg.rows):
+            outs.append(f.core(q[lo + a : lo + b], keys[:, :extent, :], values[:, :extent, :], mask[a:b, ..., :extent]))
+        lo = hi
     return f.post(h, outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0), *f.post_arrays)
-
-
-@lru_cache(maxsize=64)
-def _row_groups(geometry: CacheGeometry, start: int, length: int) -> tuple[tuple[int, int, int], ...]:
-    """Consecutive rows sharing a key extent: [(row_lo, row_hi, extent), ...]."""
-    groups: list[tuple[int, int, int]] = []
-    for i in range(length):
-        extent = geometry.key_extent(start + i)
-        if groups and groups[-1][2] == extent:
-            groups[-1] = (groups[-1][0], i + 1, extent)
-        else:
-            groups.append((i, i + 1, extent))
-    return tuple(groups)  # cached: computed once per block, not once per layer
 
 
 def _lm_head(model: nn.Module, h: mx.array) -> mx.array:
@@ -53,66 +70,84 @@ def _lm_head(model: nn.Module, h: mx.array) -> mx.array:
     return model.lm_head(h)
 
 
-def embed(model: nn.Module, tokens: mx.array) -> mx.array:
-    """(L,) int32 token ids -> (1, L, hidden) embeddings (the head shard's first step)."""
-    return model.model.embed_tokens(tokens[None])
+def _logit_rows(segments: Sequence[Segment]) -> list[int] | None:
+    """Rows whose logits are wanted, or None for all of them."""
+    if all(s.all_logits for s in segments):
+        return None
+    rows, lo = [], 0
+    for s in segments:
+        rows.extend(range(lo, lo + s.rows) if s.all_logits else [lo + s.rows - 1])
+        lo += s.rows
+    return rows
 
 
-def run_layers(model: nn.Module, h: mx.array, cache: list[SinkWindowKVCache], start: int, end: int) -> mx.array:
-    """Run transformer blocks [start, end) on (1, L, hidden); cache[i] belongs to block start+i."""
-    if not cache:
-        return h
-    offset = mx.array(cache[0].offset, dtype=mx.int32)  # every block of a chunk starts at the same position
-    for layer, layer_cache in zip(model.model.layers[start:end], cache):
-        h = _block(layer, h, layer_cache, offset)
-    return h
-
-
-def lm_head(model: nn.Module, h: mx.array, all_logits: bool) -> mx.array:
-    """Final norm + LM head (the tail shard's last step): (1, L, hidden) -> (L or 1, V) fp32."""
-    if not all_logits:
-        h = h[:, -1:, :]
-    return _lm_head(model, h)[0].astype(mx.float32)
-
-
-def forward_chunk(model: nn.Module, tokens: mx.array, cache: list[SinkWindowKVCache], all_logits: bool) -> mx.array:
-    """Run one chunk of at most `max_block` rows through every layer.
+def forward_rows(model: nn.Module, x: mx.array, segments: Sequence[Segment], span: Span) -> mx.array:
+    """Run the rows of every segment through the span's blocks together (lazily; nothing evaluated).
 
     Args:
         model: an mlx-lm llama-family `Model`.
-        tokens: (L,) int32 token ids at positions cache[0].offset ...
-        cache: one SinkWindowKVCache per layer, advanced by L.
-        all_logits: logits for every row, else for the last row only.
+        x: (R,) int32 token ids if `span.embeds`, else (1, R, hidden) hidden states; the
+            segments' rows in order, R = sum of their rows (at most the caches' max_block).
+        segments: whose rows these are; their caches are at the rows' first positions.
+        span: the blocks to run and whether they embed / end with the LM head.
     Returns:
-        (L, V) or (1, V) float32 logits.
+        With the LM head, (N, V) float32 logits of the wanted rows in order (every row of an
+        `all_logits` segment, the last row of the others); else (1, R, hidden).
     """
-    h = run_layers(model, embed(model, tokens), cache, 0, len(model.model.layers))
-    return lm_head(model, h, all_logits)
+    h = model.model.embed_tokens(x[None]) if span.embeds else x  # (1, R, hidden)
+    layers = model.model.layers[span.start : span.end]
+    if layers:
+        starts = [s.caches[0].offset for s in segments]
+        positions = mx.array([p for s, a in zip(segments, starts) for p in range(a, a + s.rows)], dtype=mx.int32)  # (R,)
+        for i, layer in enumerate(layers):
+            h = _block(layer, h, positions, segments, i)
+    if not span.has_lm_head:
+        return h
+    wanted = _logit_rows(segments)
+    if wanted is not None:
+        h = h[:, mx.array(wanted, dtype=mx.int32)] if len(wanted) > 1 or wanted[0] != h.shape[1] - 1 else h[:, -1:]
+    return _lm_head(model, h)[0].astype(mx.float32)
 
 
 def forward(
-    model: nn.Module, tokens: list[int], cache: list[SinkWindowKVCache], all_logits: bool = True, wait: bool = True
+    model: nn.Module, x: Sequence[int] | mx.array, cache: Sequence[KVCache], all_logits: bool = True,
+    wait: bool = True, span: Span | None = None, before_chunk: Callable[[int], None] | None = None,
 ) -> mx.array:
-    """Compute the tokens not yet in the cache, chunked by the cache's `max_block`.
+    """Compute one session's block, chunked at the cache's `max_block` (the one chunk loop).
 
     Args:
+        x: the block's token ids (head), or (L, hidden) hidden states from the previous worker.
+        cache: one cache per block of the span.
+        all_logits: logits of every row, else of the last row only (tail spans).
         wait: evaluate before returning; if False the last chunk is only started
-            (`mx.async_eval`) and reading the logits waits for it, so the caller can hand
-            out earlier results while it computes (a decode step overlaps its stream write).
+            (`mx.async_eval`) and reading the result waits for it, so the caller can hand out
+            earlier results while it computes (a decode step overlaps its stream write).
+        span: the part of the model to run (default: all of it).
+        before_chunk: called with the row offset before each chunk (a worker's cancel check;
+            it may raise to stop).
     Returns:
-        (L, V) logits if `all_logits`, else (1, V) for the last token.
+        (L, V) or (1, V) float32 logits with the LM head; else (L, hidden).
     """
-    step = cache[0].geometry.max_block
-    chunks = []
-    for i in range(0, len(tokens), step):
-        part = tokens[i : i + step]
-        is_last = i + step >= len(tokens)
-        out = forward_chunk(model, mx.array(part, dtype=mx.int32), cache, all_logits or is_last)
-        if all_logits or is_last:
-            chunks.append(out if all_logits else out[-1:])
-        state = (out, [c.keys for c in cache], [c.values for c in cache])
+    span = span or Span.whole(model)
+    rows = len(x)
+    step = cache[0].max_block if cache else rows
+    outs = []
+    for lo in range(0, rows, step):
+        if before_chunk is not None:
+            before_chunk(lo)
+        hi = min(rows, lo + step)
+        is_last = hi == rows
+        part = mx.array(x[lo:hi], dtype=mx.int32) if span.embeds else mx.array(x[lo:hi])[None]
+        wanted = all_logits or is_last or not span.has_lm_head  # no LM head for rows nobody reads
+        chunk_span = span if wanted else replace(span, has_lm_head=False)
+        out = forward_rows(model, part, [Segment(cache, hi - lo, all_logits)], chunk_span)
+        if not span.has_lm_head:
+            out = out[0]  # (l, hidden)
+        if wanted:
+            outs.append(out)
+        state = (out, [c.state for c in cache])
         if wait or not is_last:
             mx.eval(*state)
         else:
             mx.async_eval(*state)
-    return chunks[0] if len(chunks) == 1 else mx.concatenate(chunks, axis=0)
+    return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)

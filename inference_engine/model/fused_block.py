@@ -105,13 +105,15 @@ def _pieces(s: _Shape) -> Pieces:
     n_q, n_kv, d = s.n_heads, s.n_kv, s.head_dim
     k_qkv, k_o, k_gu, k_down = s.kinds
 
-    def pre(h: mx.array, offset: mx.array, norm_w: mx.array, *qkv_w: mx.array) -> tuple[mx.array, ...]:
+    def pre(h: mx.array, positions: mx.array, norm_w: mx.array, *qkv_w: mx.array) -> tuple[mx.array, ...]:
         length = h.shape[1]
         x = mx.fast.rms_norm(h, norm_w, s.eps_in)  # (1, L, hidden)
-        qkv = apply_linear(k_qkv, x, qkv_w).reshape(1, length, n_q + 2 * n_kv, d).transpose(0, 2, 1, 3)
-        qk = s.rope(qkv[:, : n_q + n_kv], offset=offset)  # q and k heads rotated in one call
-        q = (qk[0, :n_q] * s.scale).transpose(1, 0, 2).reshape(length, n_kv, n_q // n_kv, d)  # (L, n_kv, rep, D)
-        return q, qk[0, n_q:], qkv[0, n_q + n_kv :]  # q; k, v (n_kv, L, D)
+        # Each row is its own RoPE batch entry at its own global position, so rows of
+        # different sessions share one call (same bits as a call per row: checked in tests).
+        qkv = apply_linear(k_qkv, x, qkv_w).reshape(length, n_q + 2 * n_kv, 1, d)  # (L, heads, 1, D)
+        qk = s.rope(qkv[:, : n_q + n_kv], offset=positions)  # q and k heads rotated in one call
+        q = (qk[:, :n_q, 0] * s.scale).reshape(length, n_kv, n_q // n_kv, d)  # (L, n_kv, rep, D)
+        return q, qk[:, n_q:, 0].transpose(1, 0, 2), qkv[:, n_q + n_kv :, 0].transpose(1, 0, 2)  # q; k, v (n_kv, L, D)
 
     def core(q: mx.array, keys: mx.array, values: mx.array, mask: mx.array) -> mx.array:
         # One small matmul per (row, kv head) over a key prefix fixed by the row's position,
@@ -137,7 +139,7 @@ def _pieces(s: _Shape) -> Pieces:
 class FusedBlock:
     """One transformer block's arrays and its compiled pieces."""
 
-    pre: Callable[..., tuple[mx.array, mx.array, mx.array]]  # (h, offset, *pre_arrays) -> q, k, v
+    pre: Callable[..., tuple[mx.array, mx.array, mx.array]]  # (h, positions, *pre_arrays) -> q, k, v
     core: Callable[..., mx.array]  # (q, keys, values, mask) -> attention rows before o_proj
     post: Callable[..., mx.array]  # (h, attn, *post_arrays) -> the block's output
     pre_arrays: tuple[mx.array, ...]  # input norm weight, fused q/k/v arrays

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -9,6 +10,9 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
+
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2")  # llama-family mlx-lm architectures we run
 
 
 @dataclass(frozen=True)
@@ -33,7 +37,8 @@ class LoadedModel:
     tokenizer: Any | None  # a transformers tokenizer, None for random test models
 
 
-def _spec(model: nn.Module, name: str, eos: tuple[int, ...], quantized: bool) -> ModelSpec:
+def spec_of(model: nn.Module, name: str, eos: tuple[int, ...] = (), quantized: bool = False) -> ModelSpec:
+    """The shape facts of an mlx-lm model object."""
     args = model.args
     return ModelSpec(
         name=name,
@@ -53,18 +58,42 @@ def load_model(path: Path) -> LoadedModel:
         FileNotFoundError: the folder or its config is missing.
         ValueError: the architecture is not a llama-family model we can run.
     """
-    from mlx_lm.utils import load_model as mlx_lm_load_model
     from mlx_lm.utils import load_tokenizer
+
+    model, config = load_weights(path, lazy=False)
+    tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    eos = tuple(sorted(int(t) for t in tokenizer.eos_token_ids))
+    return LoadedModel(model, spec_of(model, path.name, eos, "quantization" in config), tokenizer._tokenizer)
+
+
+def load_weights(path: Path, lazy: bool = True) -> tuple[nn.Module, dict[str, Any]]:
+    """An mlx-lm folder's model object and config, without its tokenizer.
+
+    Lazy weights are read when first evaluated (a shard worker materializes only its layers).
+
+    Raises:
+        FileNotFoundError: no config.json in `path`.
+        ValueError: not a llama-family model.
+    """
+    from mlx_lm.utils import load_model as mlx_lm_load_model
 
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} is not an mlx-lm model folder (no config.json)")
-    config = json.loads((path / "config.json").read_text())
-    if config.get("model_type") not in ("llama", "mistral", "qwen2"):
-        raise ValueError(f"model_type {config.get('model_type')!r} is not supported (llama family only)")
-    model, config = mlx_lm_load_model(path, lazy=False)
-    tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
-    eos = tuple(sorted(int(t) for t in tokenizer.eos_token_ids))
-    return LoadedModel(model, _spec(model, path.name, eos, "quantization" in config), tokenizer._tokenizer)
+    model_type = json.loads((path / "config.json").read_text()).get("model_type")
+    if model_type not in SUPPORTED_TYPES:
+        raise ValueError(f"model_type {model_type!r} is not supported (llama family only)")
+    return mlx_lm_load_model(path, lazy=lazy)
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    """Hex SHA-256 over the model's shape arguments and its first embedding rows."""
+    a = model.args
+    h = hashlib.sha256()
+    for name in ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "vocab_size", "intermediate_size"):
+        h.update(f"{name}={getattr(a, name, None)};".encode())
+    h.update(np.array(model.model.embed_tokens.weight[:8]).tobytes())
+    return h.hexdigest()
 
 
 def random_model(seed: int = 0, **overrides: Any) -> LoadedModel:
@@ -87,4 +116,4 @@ def random_model(seed: int = 0, **overrides: Any) -> LoadedModel:
     # Default init leaves norms at 1 and is too tame; scale weights so logits spread.
     model.update(nn.utils.tree_map(lambda p: p * 2.0, model.parameters()))
     mx.eval(model.parameters())
-    return LoadedModel(model, _spec(model, f"random-{seed}", (1,), False), None)
+    return LoadedModel(model, spec_of(model, f"random-{seed}", (1,), False), None)

@@ -1,34 +1,29 @@
-"""The engine: owns the model and the one thread that runs all MLX compute.
+"""The engine: owns the model, its probed block size, its backend and the one thread that runs all MLX compute.
 
-asyncio code hands work to the thread through `run`; the work item runs to completion
-even if the awaiting RPC is cancelled, so session state is never left half-updated.
+The thread is the scheduler's (`scheduler.py`): appends and generations run there as jobs
+batched into shared forwards, everything else as plain calls (`run`), which complete even
+if the awaiting RPC is cancelled, so session state is never left half-updated. Where the
+target's layers run is the backend's business (`verifier/executor.py`): the local one by
+default, or whatever the server hands to `use_backend` (a shard route).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from typing import TYPE_CHECKING, Callable, TypeVar
+from typing import Callable, TypeVar
 
-from inference_engine.blas import active_blas
-from inference_engine.errors import EngineUnavailable
 from inference_engine.model.loader import LoadedModel
-from inference_engine.runtime.compute_thread import ComputeThread
-from inference_engine.verifier.executor import LocalExecutor
-from inference_engine.verifier.kv_cache import CacheGeometry
+from inference_engine.runtime.scheduler import Scheduler
+from inference_engine.session.coordinator import SessionCoordinator
+from inference_engine.session.session import Session
+from inference_engine.verifier.executor import Backend, LocalBackend
+from inference_engine.verifier.kv_cache import CacheGeometry, rollback_room
 from inference_engine.verifier.sink_window_verifier import SinkWindowVerifier
 from inference_engine.verifier.tile_probe import ProbeResult, probe_tile
-
-if TYPE_CHECKING:
-    from inference_engine.shard.remote_executor import ShardRoute
+from inference_engine.verifier.token_log import TokenLog
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
-
-
-def _verifier(loaded: LoadedModel, geometry: CacheGeometry) -> SinkWindowVerifier:
-    s = loaded.spec
-    return SinkWindowVerifier(LocalExecutor(loaded.model, geometry, s.num_kv_heads, s.head_dim, s.num_layers))
 
 
 def check_draft_compatible(target: LoadedModel, draft: LoadedModel) -> None:
@@ -47,42 +42,21 @@ def check_draft_compatible(target: LoadedModel, draft: LoadedModel) -> None:
             raise ValueError(f"draft model {draft.spec.name!r} uses a different tokenizer vocabulary than the target")
 
 
-def check_route_compatible(route: ShardRoute, block: int, rollback: int, loaded: LoadedModel) -> None:
-    """The route's workers must run this model and accept this engine's block and rollback.
-
-    Raises:
-        ValueError: what the route lacks and what this server needs.
-    """
-    from inference_engine.shard.mlx_engine import model_fingerprint
-
-    p = route.pipeline
-    head = p.capabilities[0]
-    if head.model_fingerprint != model_fingerprint(loaded.model):
-        raise ValueError(f"the shard route runs {head.model_name} ({head.num_layers} layers, fingerprint "
-                         f"{head.model_fingerprint[:12]}); this server loaded {loaded.spec.name} "
-                         f"({loaded.spec.num_layers} layers): both must run the same model")
-    kernels = active_blas()
-    if head.kernels != kernels:
-        raise ValueError(f"the shard route computes with {head.kernels!r}, this server with {kernels!r}: "
-                         "start both the same way (same BLAS, same INFERENCE_ENGINE_NO_ROW_GEMV) to be bitwise exact")
-    if p.max_block < block or p.max_rollback < rollback:
-        raise ValueError(f"the shard route accepts blocks of {p.max_block} and rollback {p.max_rollback}; this "
-                         f"server needs block {block} (its probed tile) and rollback {rollback}: start the workers "
-                         f"with --max-rollback >= {rollback} (and --block >= {block} or a probe that reaches it)")
-
-
 class Engine:
-    """A loaded model, its probed block size and its compute thread.
+    """A loaded model, its probed block size, its backend and its compute thread.
 
-    With a shard route the target's layers run on the route's workers (a RemoteExecutor
-    per session) at this engine's probed block, so results are bitwise the single
-    process; the draft model, if any, stays local.
+    The draft model, if any, always runs locally.
     """
 
     def __init__(
         self, loaded: LoadedModel, exact: bool, max_tile: int, plain_block: int, max_rollback: int,
-        draft: LoadedModel | None = None,
+        draft: LoadedModel | None = None, max_batch_rows: int = 0, append_rows: int = 0,
     ):
+        """
+        Args:
+            max_batch_rows: most rows in one batched forward (0: the block size).
+            append_rows: most append rows per forward while a Generate streams (0: a quarter of the batch).
+        """
         self.loaded = loaded
         self.spec = loaded.spec
         self.max_rollback = max_rollback
@@ -98,22 +72,14 @@ class Engine:
             log.info("exact mode: block size %d (probe failures beyond it: %s)", self.block, list(self.probe.failures))
         else:
             log.warning("plain mode: block size %d; results depend on chunking", self.block)
-        self.route: ShardRoute | None = None  # set by use_route: the target's layers run on shard workers
-        self._thread = ComputeThread(
-            "mlx-engine", lambda: EngineUnavailable("the engine is shutting down; retry against a live server")
-        )
+        self.backend: Backend = LocalBackend(loaded.model, loaded.spec, self.block)
+        self.draft_backend = LocalBackend(draft.model, draft.spec, self.block) if draft is not None else None
+        rows = min(max_batch_rows or self.block, self.block)
+        self.scheduler = Scheduler(lambda: self.backend, rows, append_rows or max(1, rows // 4))
 
-    def use_route(self, route: ShardRoute) -> None:
-        """Run the target's layers on a shard route from now on (call before serving).
-
-        Sessions then get a RemoteExecutor at this engine's probed block and geometry, so
-        their results are bitwise those of this process.
-
-        Raises:
-            ValueError: the route runs another model or cannot take this block or rollback.
-        """
-        check_route_compatible(route, self.block, self.max_rollback + 1, self.loaded)
-        self.route = route
+    def use_backend(self, backend: Backend) -> None:
+        """Run the target's layers on `backend` from now on (call before serving; e.g. a shard route)."""
+        self.backend = backend
 
     @property
     def has_draft_model(self) -> bool:
@@ -121,44 +87,33 @@ class Engine:
         return self.draft is not None
 
     def geometry(self, sink: int, window: int) -> CacheGeometry:
-        """Cache geometry of a session with this sink/window on this engine.
+        """Cache geometry of a session with this sink/window on this engine."""
+        return CacheGeometry(sink=sink, window=window, max_block=self.block, max_rollback=rollback_room(self.max_rollback))
 
-        Rollback room is max_rollback + 1: a speculative step commits up to K + 1 tokens
-        and a step whose tokens were never sent is retracted whole.
-        """
-        return CacheGeometry(sink=sink, window=window, max_block=self.block, max_rollback=self.max_rollback + 1)
+    def open_session(self, sink: int, window: int, tag: str = "") -> SessionCoordinator:
+        """A new session's coordinator (allocates its KV slab, here or on the route). Engine thread."""
+        return SessionCoordinator(self.backend, self.geometry(sink, window), tag)
 
     def make_verifier(self, sink: int, window: int) -> SinkWindowVerifier:
-        """A fresh verifier (allocates the session's KV slab, here or on the route). Call on the engine thread."""
-        if self.route is None:
-            return _verifier(self.loaded, self.geometry(sink, window))
-        from inference_engine.shard.remote_executor import RemoteExecutor
+        """A standalone verifier over a fresh log (tools and tests). Engine thread."""
+        log_ = TokenLog()
+        return SinkWindowVerifier(self.backend.open(self.geometry(sink, window), log_), log_)
 
-        g, s = self.geometry(sink, window), self.spec
-        nbytes = 2 * 4 * s.num_layers * s.num_kv_heads * g.slots * s.head_dim  # K and V, fp32, as one process
-        return SinkWindowVerifier(RemoteExecutor(self.route, g, nbytes))
+    def make_draft_cache(self, sink: int, window: int) -> SinkWindowVerifier:
+        """A fresh cache over the draft model (same geometry, no token log). Engine thread."""
+        assert self.draft_backend is not None
+        return SinkWindowVerifier(self.draft_backend.open(self.geometry(sink, window), TokenLog()), None)
 
-    def make_draft_verifier(self, sink: int, window: int) -> SinkWindowVerifier:
-        """A fresh cache over the draft model (same geometry). Call on the engine thread."""
-        assert self.draft is not None
-        return _verifier(self.draft, self.geometry(sink, window))
+    async def run(self, fn: Callable[..., T], *args: object, session: Session | None = None) -> T:
+        """Run `fn(*args)` on the engine thread (see Scheduler.run).
 
-    async def run(self, fn: Callable[..., T], *args: object) -> T:
-        """Run `fn(*args)` on the engine thread (see ComputeThread.run).
-
+        Args:
+            session: run once this session's running call (if any) is at a clean point.
         Raises:
             EngineUnavailable: the engine has been shut down.
         """
-        return await self._thread.run(fn, *args)
-
-    def submit(self, fn: Callable[..., T], *args: object) -> asyncio.Future[T]:
-        """Queue `fn(*args)` on the engine thread now (see ComputeThread.submit).
-
-        Raises:
-            EngineUnavailable: the engine has been shut down.
-        """
-        return self._thread.submit(fn, *args)
+        return await self.scheduler.run(fn, *args, session=session)
 
     def close(self) -> None:
-        """Stop accepting work and wait for the running item."""
-        self._thread.close()
+        """Stop accepting work, end running jobs and wait for the engine thread."""
+        self.scheduler.close()

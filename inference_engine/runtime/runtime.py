@@ -1,7 +1,10 @@
 """The runtime: sessions, appends and generation over one engine, in asyncio.
 
-Every model computation goes through `Engine.run` (the engine thread); this module only
-orchestrates and keeps session bookkeeping consistent under cancellation.
+Every model computation runs on the engine's scheduler (the one engine thread): appends
+and generations as jobs that share its batched forwards, everything else as plain calls.
+This module only orchestrates and keeps what clients see consistent: a call either
+succeeds or changes nothing, a stream's history holds exactly the tokens it handed out,
+and a describe or close never reports work no client was sent.
 """
 
 from __future__ import annotations
@@ -9,17 +12,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from dataclasses import dataclass
-from typing import AsyncIterator, Awaitable, Callable
+from typing import Awaitable, Callable
 
 from inference_engine.config import ServerConfig
 from inference_engine.decoding.drafter import Drafter, ModelDrafter, PromptLookupDrafter
-from inference_engine.decoding.step import StepResult, decode_step
-from inference_engine.errors import InvariantViolation
-from inference_engine.runtime.coordinator import AppendTokensCoordinator
+from inference_engine.errors import InvariantViolation, SessionNotFound
 from inference_engine.runtime.engine import Engine
-from inference_engine.runtime.session import Session
-from inference_engine.runtime.session_store import SessionStore
+from inference_engine.runtime.jobs import AppendCancelled, AppendJob, GenerateEnd, GenerateJob
 from inference_engine.runtime.types import (
     AppendParams,
     AppendResult,
@@ -29,18 +28,12 @@ from inference_engine.runtime.types import (
     GenerateParams,
     SessionCreated,
     SessionInfo,
-    StopReason,
 )
+from inference_engine.session.session import Session, short_id
+from inference_engine.session.session_store import SessionStore
 
 log = logging.getLogger(__name__)
 Emit = Callable[[GenerateChunk], Awaitable[None]]
-
-
-@dataclass
-class _DecodeState:
-    """The last step's result until it is handed to the stream (set on the engine thread)."""
-
-    unsent: StepResult | None = None
 
 
 class Runtime:
@@ -52,10 +45,22 @@ class Runtime:
         self.store = SessionStore(config.max_sessions, config.session_ttl_s)
         self.is_shutting_down = False
         self._sweeper: asyncio.Task | None = None
+        self._streams: set[asyncio.Future] = set()  # running Generate jobs' `finished`
+        self.drafters: dict[DecodeMode, Drafter] = {DecodeMode.SPECULATIVE_LOOKUP: PromptLookupDrafter()}
+        if engine.has_draft_model:
+            self.drafters[DecodeMode.SPECULATIVE_DRAFT] = ModelDrafter(
+                lambda s: engine.make_draft_cache(s.sink, s.window))
 
     def start(self) -> None:
         """Start the idle-session sweeper (call from the event loop)."""
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+
+    async def end_streams(self, timeout_s: float) -> None:
+        """Shutting down: every running Generate ends at its next step with CANCELLED (waits up to `timeout_s`)."""
+        self.is_shutting_down = True
+        self.engine.scheduler.wake()
+        if self._streams:
+            await asyncio.wait(list(self._streams), timeout=timeout_s)
 
     async def stop(self) -> None:
         """Stop the sweeper; in-flight generations end at their next step."""
@@ -71,9 +76,6 @@ class Runtime:
             await asyncio.sleep(period)
             self.store.expire_idle()
 
-    def _coordinator(self, session: Session) -> AppendTokensCoordinator:
-        return AppendTokensCoordinator(session, lambda: self.engine.make_verifier(session.sink, session.window))
-
     async def create_session(self, p: CreateSessionParams) -> SessionCreated:
         """Open a session with its own KV slab.
 
@@ -83,37 +85,54 @@ class Runtime:
         self.store.reserve()
         sink = p.sink or self.config.default_sink
         window = p.window or self.config.default_window
-        verifier = await self.engine.run(self.engine.make_verifier, sink, window)
+        session_id = self.store.new_id()
+        coordinator = await self.engine.run(self.engine.open_session, sink, window, short_id(session_id))
         eos = p.eos_token_ids or self.engine.spec.eos_token_ids
-        session = Session(self.store.new_id(), verifier, sink, window, tuple(eos), p.client_label)
-        self.store.add(session)
-        log.info("session %s created (sink %d, window %d, label %r)", session.session_id, sink, window, p.client_label)
+        session = Session(session_id, coordinator, sink, window, tuple(eos), p.client_label)
+        try:
+            self.store.add(session)
+        except BaseException:
+            session.free()
+            raise
+        log.info("session %s… created (sink %d, window %d, label %r)", session.tag, sink, window, p.client_label)
         return SessionCreated(session.session_id, sink, window)
 
     async def append_tokens(self, p: AppendParams) -> AppendResult:
-        """Append tokens to a session (prefill on the first call).
+        """Append tokens to a session (prefill on the first call), in chunks shared with other sessions' work.
+
+        If the caller goes away (cancelled, deadline) before the result is returned, the
+        append is undone whole: the history is exactly as before the call.
 
         Raises:
-            SessionNotFound, SessionBusy, InvariantViolation.
+            SessionNotFound: unknown, or closed before the append completed (nothing appended).
+            SessionBusy, InvariantViolation.
         """
         session = self.store.get(p.session_id)
         session.acquire("AppendTokens")
+        job = AppendJob(session, list(p.tokens), asyncio.get_running_loop())
         try:
-            await self.engine.run(self._coordinator(session).append, list(p.tokens))
-            return AppendResult(len(session.history), session.verifier.next_global_position)
+            self.engine.scheduler.start(job)
+            try:
+                return await asyncio.shield(job.future)
+            except AppendCancelled:
+                raise self._closed(session) from None
+            except asyncio.CancelledError:
+                await self._undo_append(job)
+                raise
         finally:
             self.store.release(session)
 
-    def _drafter(self, session: Session, mode: DecodeMode) -> Drafter | None:
-        """The session's drafter for `mode` (built on first use; runs on the engine thread)."""
-        if mode is DecodeMode.GREEDY:
-            return None
-        if mode not in session.drafters:
-            if mode is DecodeMode.SPECULATIVE_LOOKUP:
-                session.drafters[mode] = PromptLookupDrafter()
-            else:
-                session.drafters[mode] = ModelDrafter(lambda: self.engine.make_draft_verifier(session.sink, session.window))
-        return session.drafters[mode]
+    async def _undo_append(self, job: AppendJob) -> None:
+        """The caller went away: stop the job, or undo it if it had already completed."""
+        job.cancel()
+        self.engine.scheduler.wake()
+        await asyncio.wait([job.future])
+        if not job.future.cancelled() and job.future.exception() is None:
+            await self.engine.run(job.session.coordinator.restore, job.mark)
+
+    def _closed(self, session: Session) -> SessionNotFound:
+        return SessionNotFound(f"session {session.session_id!r} was closed before the call completed; nothing was "
+                               "appended")
 
     async def generate(self, p: GenerateParams, emit: Emit) -> None:
         """Greedy or speculative generation; tokens join the history as they are sent.
@@ -133,67 +152,49 @@ class Runtime:
                 "SPECULATIVE_LOOKUP and GREEDY are available"
             )
         session.acquire("Generate")
-        coord = self._coordinator(session)
-        state = _DecodeState()
-        stop_ids = frozenset() if p.ignore_eos else frozenset(session.eos_token_ids)
-        drafted = accepted = produced = 0
-        inflight: asyncio.Future[StepResult] | None = None
-
-        def next_step() -> asyncio.Future[StepResult]:  # starts computing at once, before any await
-            return self.engine.submit(
-                self._step, coord, state, p.mode, p.num_draft_tokens, p.max_new_tokens - produced, stop_ids
-            )
-
         try:
             if not session.history:
                 raise InvariantViolation("the session has no tokens yet: call AppendTokens before Generate")
-            stop = StopReason.CANCELLED if self._is_cancelled(session) else None
-            inflight = None if stop else next_step()
-            while inflight is not None:
-                step = await asyncio.shield(inflight)  # a cancelled caller must not cancel the step
-                inflight = None
-                state.unsent = None  # handed to the transport from here on: it counts as sent
-                produced += len(step.tokens)
-                drafted, accepted = drafted + step.drafted, accepted + step.accepted
-                if stop_ids.intersection(step.tokens):
-                    stop = StopReason.EOS
-                elif produced >= p.max_new_tokens:
-                    stop = StopReason.MAX_TOKENS
-                elif self._is_cancelled(session):
-                    stop = StopReason.CANCELLED
-                else:
-                    inflight = next_step()  # compute the next step while this one is written
-                await emit(GenerateChunk(step.tokens))
-            await emit(GenerateChunk((), stop, len(session.history), drafted, accepted))
+            stop_ids = frozenset() if p.ignore_eos else frozenset(session.eos_token_ids)
+            job = GenerateJob(session, p, self.drafters.get(p.mode), stop_ids, asyncio.get_running_loop(),
+                              lambda: session.is_closed or self.is_shutting_down, self.engine.scheduler.wake)
+            self._streams.add(job.finished)
+            try:
+                self.engine.scheduler.start(job)
+                await self._stream(job, emit)
+            finally:
+                job.cancel()  # a no-op if it ended; else its unsent step is retracted
+                self.engine.scheduler.wake()
+                await asyncio.wait([job.finished])
+                self._streams.discard(job.finished)
         finally:
-            if inflight is not None:  # let the engine finish the step it is computing
-                await asyncio.wait([inflight])
-            if state.unsent is not None:  # its tokens were never handed to the stream
-                await self.engine.run(coord.retract, len(state.unsent.tokens), state.unsent.prior_logits)
             self.store.release(session)
 
-    def _is_cancelled(self, session: Session) -> bool:
-        return session.is_closed or self.is_shutting_down
-
-    def _step(
-        self, coord: AppendTokensCoordinator, state: _DecodeState, mode: DecodeMode, k: int, remaining: int,
-        stop_ids: frozenset[int],
-    ) -> StepResult:
-        state.unsent = decode_step(coord, self._drafter(coord.session, mode), k, remaining, stop_ids)
-        return state.unsent
+    @staticmethod
+    async def _stream(job: GenerateJob, emit: Emit) -> None:
+        while True:
+            item = await job.out.get()
+            if isinstance(item, BaseException):
+                raise item
+            if isinstance(item, GenerateEnd):
+                await emit(GenerateChunk((), item.stop_reason, item.history_length, item.drafted, item.accepted))
+                return
+            if job.hand(item):  # from here on it counts as sent
+                await emit(GenerateChunk(item.tokens))
 
     async def close_session(self, session_id: str) -> int:
-        """Close a session; returns its history length.
+        """Close a session; returns its final history length (after its running call ends).
 
         Raises:
             SessionNotFound: unknown or already closed.
         """
         session = self.store.close(session_id)
-        log.info("session %s closed", session_id)
-        return len(session.history)
+        log.info("session %s… closed", session.tag)
+        self.engine.scheduler.wake()  # a running call ends at its next step
+        return await self.engine.run(lambda: len(session.history), session=session)
 
     async def session_info(self, session_id: str) -> SessionInfo:
-        """Describe a session (digest computed on the engine thread).
+        """Describe a session as its clients have seen it (waits for a running call's clean point).
 
         Raises:
             SessionNotFound.
@@ -202,13 +203,14 @@ class Runtime:
         s.touch()
 
         def describe() -> SessionInfo:
-            v = s.verifier
+            digest = s.coordinator.state_digest()  # first: it may rebuild the cache
+            v = s.coordinator.verifier
             return SessionInfo(
                 session_id=s.session_id, history_length=len(s.history),
                 next_global_position=v.next_global_position, cached_tokens=len(v.cached_token_sequence),
                 sink=s.sink, window=s.window, eos_token_ids=s.eos_token_ids, client_label=s.client_label,
-                created_ns=s.created_ns, last_used_ns=s.last_used_ns, state_digest=v.state_digest(),
+                created_ns=s.created_ns, last_used_ns=s.last_used_ns, state_digest=digest,
                 is_exact=self.engine.is_exact, kv_bytes=v.nbytes,
             )
 
-        return await self.engine.run(describe)
+        return await self.engine.run(describe, session=s)

@@ -6,6 +6,9 @@ import enum
 from dataclasses import dataclass
 
 
+DEFAULT_DRAFT_TOKENS = 4  # K when a request asks for 0
+
+
 class StopReason(enum.Enum):
     """Why a Generate call ended."""
 
@@ -48,7 +51,7 @@ class GenerateParams:
     max_new_tokens: int  # 1..server limit
     ignore_eos: bool  # keep going past EOS tokens
     mode: DecodeMode = DecodeMode.GREEDY  # decoding strategy
-    num_draft_tokens: int = 4  # K, drafts per step (speculative modes)
+    num_draft_tokens: int = DEFAULT_DRAFT_TOKENS  # K, drafts per step (speculative modes)
 
 
 @dataclass(frozen=True)

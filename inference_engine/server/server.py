@@ -1,7 +1,8 @@
 """The server process: load the model, probe the tile, serve RuntimeService, drain on SIGTERM.
 
 With `--shards` (running workers) or `--spawn-shards` (workers this process supervises)
-the target's layers run on a shard route. The block size is always this process's probed
+the target's layers run on a shard route: the server builds the engine's backend once
+(`RouteBackend`) and nothing below knows. The block size is always this process's probed
 tile (workers must accept it; spawned ones are started with it), so a route reproduces
 the single-process results bit for bit.
 """
@@ -18,15 +19,16 @@ import mlx.core as mx
 from inference_engine.blas import active_blas
 from inference_engine.config import ServerConfig
 from inference_engine.errors import RuntimeServiceError
-from inference_engine.model.loader import LoadedModel, load_model
+from inference_engine.model.loader import LoadedModel, load_model, model_fingerprint
 from inference_engine.model.packaged import resolve_model_path
 from inference_engine.process_exit import wait_for_stop_signal
+from inference_engine.readiness import announce
 from inference_engine.runtime.engine import Engine
 from inference_engine.runtime.runtime import Runtime
 from inference_engine.server.servicer import RuntimeServicer
-from inference_engine.shard.pipeline import ShardPipeline
-from inference_engine.shard.remote_executor import ShardRoute
-from inference_engine.shard.supervisor import WorkerFlags, WorkerSupervisor
+from inference_engine.shard.client.route import ShardRoute
+from inference_engine.shard.client.route_backend import RouteBackend
+from inference_engine.shard.client.supervisor import WorkerFlags, WorkerSupervisor
 from inference_engine.v1 import runtime_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
@@ -55,40 +57,43 @@ def build_engine(cfg: ServerConfig, loaded: LoadedModel | None = None) -> Engine
         path = resolve_model_path(cfg.draft_model, cfg.cache_dir)
         log.info("loading draft model from %s", path)
         draft = load_model(path)
-    return Engine(loaded, cfg.exact, cfg.max_tile, cfg.plain_block, cfg.max_rollback, draft=draft)
+    return Engine(loaded, cfg.exact, cfg.max_tile, cfg.plain_block, cfg.max_rollback, draft=draft,
+                  max_batch_rows=cfg.max_batch_rows, append_rows=cfg.append_rows)
 
 
-async def connect_shards(cfg: ServerConfig, engine: Engine) -> tuple[ShardPipeline | None, WorkerSupervisor | None]:
-    """Spawn (`--spawn-shards`) or reach (`--shards`) the shard route and hand it to the engine.
+async def connect_shards(cfg: ServerConfig, engine: Engine) -> tuple[ShardRoute | None, WorkerSupervisor | None]:
+    """Spawn (`--spawn-shards`) or reach (`--shards`) the shard route and make it the engine's backend.
 
     Returns:
-        The connected pipeline and the supervisor (None when not configured / not spawning).
+        The connected route and the supervisor (None when not configured / not spawning).
     Raises:
-        OSError: a worker did not start or cannot be reached.
-        ValueError: the route runs another model or cannot take the engine's block/rollback.
+        OSError: a worker did not start or cannot be reached, or the route cannot serve
+            this engine (another model, kernels, block or rollback room).
     """
     supervisor = None
     addresses = list(cfg.shards)
     if cfg.spawn_shards:
-        flags = WorkerFlags(host="127.0.0.1", model=cfg.model, block=engine.block, max_rollback=cfg.max_rollback + 1,
-                            max_sessions=2 * cfg.max_sessions, max_sink=cfg.max_sink, max_window=cfg.max_window)
+        flags = WorkerFlags(host="127.0.0.1", model=cfg.model, block=engine.block, max_sessions=2 * cfg.max_sessions,
+                            max_sink=cfg.max_sink, max_window=cfg.max_window)
         supervisor = WorkerSupervisor(cfg.spawn_shards, flags)
         addresses = await supervisor.start()
     if not addresses:
         return None, None
-    pipeline = ShardPipeline(addresses)
+    route = ShardRoute(addresses, cfg.shard_recovery_timeout_s)
     try:
-        await pipeline.connect()
-        engine.use_route(ShardRoute(pipeline, asyncio.get_running_loop(), cfg.shard_recovery_timeout_s))
+        await route.start()
+        g = engine.geometry(1, 1)
+        route.check_serves(model_fingerprint(engine.loaded.model), active_blas(), g.max_block, g.max_rollback)
+        engine.use_backend(RouteBackend(route, engine.spec, engine.block))
     except BaseException as exc:
-        await pipeline.close()
+        await route.stop()
         if supervisor is not None:
             await supervisor.stop()
         if isinstance(exc, RuntimeServiceError):
             raise OSError(f"shard route {','.join(addresses)}: {exc}") from exc
         raise
     log.info("layers run on the shard route %s (block %d)", ",".join(addresses), engine.block)
-    return pipeline, supervisor
+    return route, supervisor
 
 
 async def start_server(runtime: Runtime, host: str, port: int) -> tuple[grpc.aio.Server, int]:
@@ -107,21 +112,23 @@ async def serve(cfg: ServerConfig) -> None:
     """Serve until SIGTERM/SIGINT, then drain in-flight RPCs for `grace_s` and exit."""
     log.info("BLAS in use: %s (1024x1024 fp32 matmul %.1f ms)", active_blas(), matmul_ms())
     engine = build_engine(cfg)
-    pipeline, supervisor = await connect_shards(cfg, engine)
+    route, supervisor = await connect_shards(cfg, engine)
     try:
         runtime = Runtime(engine, cfg)
         server, port = await start_server(runtime, cfg.host, cfg.port)
-        print(f"listening on {cfg.host}:{port}", flush=True)
+        announce(cfg.host, port)
         await wait_for_stop_signal()
-        log.info("shutting down: draining in-flight RPCs for up to %.1fs", cfg.grace_s)
-        await server.stop(cfg.grace_s)
+        log.info("shutting down: ending streams and draining in-flight RPCs for up to %.1fs", cfg.grace_s)
+        started = time.monotonic()
+        await runtime.end_streams(cfg.grace_s)  # each stream gets its final message (CANCELLED)
+        await server.stop(max(0.0, cfg.grace_s - (time.monotonic() - started)))
         await runtime.stop()
     finally:
-        if engine.route is not None:
-            engine.route.close()  # a call waiting for a silent route gives up now
-        await asyncio.to_thread(engine.close)  # the running item may need this loop to finish
-        if pipeline is not None:
-            await pipeline.close()
+        if route is not None:
+            route.is_closed = True  # a call waiting for a silent route gives up now
+        await asyncio.to_thread(engine.close)  # waits for the running item
+        if route is not None:
+            await route.stop()
         if supervisor is not None:
             await supervisor.stop()
     log.info("stopped")

@@ -10,14 +10,20 @@ import grpc
 
 from inference_engine.errors import RuntimeServiceError
 from inference_engine.runtime.runtime import Runtime
-from inference_engine.runtime.types import AppendParams, CreateSessionParams, DecodeMode, GenerateChunk, GenerateParams
+from inference_engine.runtime.types import (
+    DEFAULT_DRAFT_TOKENS,
+    AppendParams,
+    CreateSessionParams,
+    DecodeMode,
+    GenerateChunk,
+    GenerateParams,
+)
 from inference_engine.server.status_codes import status_of
 from inference_engine.server.validation import Validator
 from inference_engine.v1 import runtime_pb2 as pb
 from inference_engine.v1 import runtime_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
-DEFAULT_DRAFT_TOKENS = 4
 
 
 def _mapped(method: Callable) -> Callable:

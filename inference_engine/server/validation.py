@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from inference_engine.config import ServerConfig
 from inference_engine.errors import InvalidRequest
+from inference_engine.runtime.types import DecodeMode
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,7 @@ def bounds_table(cfg: ServerConfig, vocab_size: int) -> dict[str, Bound]:
         "AppendTokensRequest.tokens#": Bound(1, cfg.max_tokens_per_request),
         "GenerateRequest.max_new_tokens": Bound(1, cfg.max_new_tokens),
         "GenerateRequest.num_draft_tokens": Bound(1, cfg.max_rollback, zero_ok=True),
-        "GenerateRequest.mode": Bound(0, 2),
+        "GenerateRequest.mode": Bound(min(m.value for m in DecodeMode), max(m.value for m in DecodeMode)),
         "*.session_id#": Bound(1, 128),
     }
 

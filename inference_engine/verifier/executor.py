@@ -1,45 +1,38 @@
-"""Executors: where a verifier's layers run and its K/V lives.
+"""Where a session's layers run and its K/V lives: backends and their per-session executors.
 
-The verifier keeps the session's bookkeeping (pending block, tokens, logits); the executor
-computes blocks into the K/V, trims it and digests it. `LocalExecutor` runs the whole
-model in this process; `inference_engine.shard.remote_executor.RemoteExecutor` runs it on
-a route of shard workers. The coordinator never knows which one it has (STYLE rule 9).
+A `Backend` is chosen once per server: `LocalBackend` runs the whole model in this process,
+`shard.client.route_backend.RouteBackend` runs it on a route of shard workers. It opens one
+`Executor` per session (that session's K/V, wherever it lives) and forwards the blocks of
+many sessions at once (`forward`): locally as one batched forward whose matmuls read each
+weight once for all rows; on a route as concurrent per-session calls. The verifier, the
+coordinator and the scheduler never know which backend they have.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from inference_engine.model.forward import forward
+from inference_engine.model.forward import Segment, Span, forward, forward_rows
+from inference_engine.model.loader import ModelSpec
 from inference_engine.verifier.kv_cache import CacheGeometry, SinkWindowKVCache
+from inference_engine.verifier.token_log import TokenLog
 
 
 class Executor(ABC):
-    """Computes one session's blocks through every layer, over K/V it owns."""
+    """One session's K/V, computed by its backend."""
 
     geometry: CacheGeometry  # the session's cache geometry (identical wherever it runs)
+    backend: "Backend"  # what computes its blocks
 
     @property
     @abstractmethod
     def offset(self) -> int:
         """Positions computed into the K/V, including a block not yet committed."""
-
-    @abstractmethod
-    def forward(self, tokens: list[int], all_logits: bool, wait: bool = True) -> mx.array:
-        """Compute `tokens` at positions offset.. into the K/V through every layer.
-
-        Args:
-            wait: False lets the result be returned while it is still computing
-                (reading it waits); an executor may ignore it and always finish first.
-        Returns:
-            (L, V) float32 logits, or (1, V) for the last row only; row i predicts the
-            token after tokens[i]. Bits equal to `model.forward.forward` over one process.
-        Raises:
-            RuntimeServiceError: the block could not be computed; the K/V is unchanged.
-        """
 
     @abstractmethod
     def trim(self, n: int) -> None:
@@ -54,21 +47,112 @@ class Executor(ABC):
     def nbytes(self) -> int:
         """Bytes of K/V storage the session holds, wherever it lives (fixed by the geometry)."""
 
+    @abstractmethod
+    def close(self) -> None:
+        """Free the session's K/V (here or on the workers). Idempotent; the executor is unusable after."""
+
+    @property
+    def is_broken(self) -> bool:
+        """A failed block left the K/V undefined: the session must be rebuilt from its log."""
+        return False
+
+    def snapshot(self) -> object | None:
+        """An opaque copy of the K/V to `restore` later, or None if this executor cannot take one."""
+        return None
+
+    def restore(self, snapshot: object) -> None:
+        """Return the K/V exactly to `snapshot` (taken by this executor, no block pending)."""
+        raise NotImplementedError
+
+    def forward(self, tokens: Sequence[int], all_logits: bool, wait: bool = True) -> mx.array:
+        """This session's block alone (see Backend.forward).
+
+        Raises:
+            RuntimeServiceError or any compute error: the block could not be computed.
+        """
+        out = self.backend.forward([Block(self, tuple(tokens), all_logits)], wait)[0]
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+
+@dataclass(frozen=True)
+class Block:
+    """One session's rows in a backend forward."""
+
+    executor: Executor  # the session's K/V (advanced by len(tokens))
+    tokens: tuple[int, ...]  # the rows' token ids, at positions executor.offset..
+    all_logits: bool  # logits of every row (verification), else of the last row only
+
+
+class Backend(ABC):
+    """Computes the blocks of many sessions; opens their executors."""
+
+    max_block: int  # most rows in one forward chunk (the probed tile)
+
+    @abstractmethod
+    def open(self, geometry: CacheGeometry, log: TokenLog) -> Executor:
+        """A new session's executor at position 0.
+
+        Args:
+            geometry: its cache geometry (max_block = this backend's).
+            log: the session's token log (a route replays a prefix of it after a failure).
+        Raises:
+            RuntimeServiceError: no room (PoolExhausted), a refused geometry or an unreachable route.
+        """
+
+    @abstractmethod
+    def forward(self, blocks: Sequence[Block], wait: bool = True) -> list[mx.array | BaseException]:
+        """Compute every block at its session's next positions, pending the verifiers' commits.
+
+        With one block it may be any length (chunked at `max_block`); with several, their
+        rows together must not exceed `max_block`. Bits of a block never depend on the others.
+
+        Args:
+            wait: False lets the results be returned while they are still computing (reading
+                them waits); a backend may ignore it.
+        Returns:
+            Per block, (L, V) float32 logits (or (1, V) for the last row only), or the
+            exception that stopped that block. A failed block's executor is back at its
+            position before the block, exactly (or `is_broken`, and the caller rebuilds it).
+        """
+
+    def close(self) -> None:
+        """Release what the backend holds (connections, threads). Idempotent."""
+
 
 class LocalExecutor(Executor):
-    """The whole model in this process over one SinkWindowKVCache per layer."""
+    """A session's K/V in this process: one SinkWindowKVCache per layer."""
 
-    def __init__(self, model: nn.Module, geometry: CacheGeometry, num_kv_heads: int, head_dim: int, num_layers: int):
-        self.model = model
+    def __init__(self, backend: "LocalBackend", geometry: CacheGeometry):
+        self.backend = backend
         self.geometry = geometry
-        self.cache = [SinkWindowKVCache(geometry, num_kv_heads, head_dim) for _ in range(num_layers)]
+        s = backend.spec
+        self.cache: list[SinkWindowKVCache] = [
+            SinkWindowKVCache(geometry, s.num_kv_heads, s.head_dim) for _ in range(s.num_layers)
+        ]
+        self._is_broken = False
+
+    @property
+    def is_broken(self) -> bool:
+        return self._is_broken
+
+    def abandon(self, start: int, rows: int) -> None:
+        """Forget a block that failed midway: back to `start`, or broken if that is not exact.
+
+        Rows written at positions start.. only overwrote ring slots of positions no query at
+        `start` reads, as long as the block fits the ring's slack (max_block + max_rollback).
+        """
+        g = self.geometry
+        if rows <= g.max_block + g.max_rollback:
+            for c in self.cache:
+                c.offset = start
+        else:
+            self._is_broken = True
 
     @property
     def offset(self) -> int:
         return self.cache[0].offset
-
-    def forward(self, tokens: list[int], all_logits: bool, wait: bool = True) -> mx.array:
-        return forward(self.model, tokens, self.cache, all_logits=all_logits, wait=wait)
 
     def trim(self, n: int) -> None:
         for c in self.cache:
@@ -80,3 +164,56 @@ class LocalExecutor(Executor):
     @property
     def nbytes(self) -> int:
         return sum(c.nbytes for c in self.cache)
+
+    def close(self) -> None:
+        self.cache = []  # the arrays go with their last reference
+
+    def snapshot(self) -> object:
+        # MLX arrays are values: these views keep the current K/V, and the next write to
+        # a layer copies it instead of reusing its buffer (a slab copy, once per layer).
+        return [(c.keys[:], c.values[:], c.offset) for c in self.cache]
+
+    def restore(self, snapshot: object) -> None:
+        for c, (keys, values, offset) in zip(self.cache, snapshot):
+            c.keys, c.values, c.offset = keys, values, offset
+        self._is_broken = False
+
+
+class LocalBackend(Backend):
+    """The whole model in this process; many sessions' rows share one forward."""
+
+    def __init__(self, model: nn.Module, spec: ModelSpec, max_block: int):
+        self.model = model
+        self.spec = spec
+        self.max_block = max_block
+
+    def open(self, geometry: CacheGeometry, log: TokenLog) -> Executor:
+        return LocalExecutor(self, geometry)
+
+    def forward(self, blocks: Sequence[Block], wait: bool = True) -> list[mx.array | BaseException]:
+        starts = [b.executor.offset for b in blocks]
+        try:
+            if len(blocks) == 1:
+                b = blocks[0]
+                return [forward(self.model, b.tokens, b.executor.cache, b.all_logits, wait)]
+            return self._forward_together(blocks, wait)
+        except Exception as exc:  # the batch failed as a whole: every session in it goes back
+            for b, start in zip(blocks, starts):
+                b.executor.abandon(start, len(b.tokens))
+            return [exc] * len(blocks)
+
+    def _forward_together(self, blocks: Sequence[Block], wait: bool) -> list[mx.array]:
+        rows = sum(len(b.tokens) for b in blocks)
+        if rows > self.max_block:
+            raise ValueError(f"a batched forward of {rows} rows exceeds the block size {self.max_block}")
+        segments = [Segment(b.executor.cache, len(b.tokens), b.all_logits) for b in blocks]
+        x = mx.array([t for b in blocks for t in b.tokens], dtype=mx.int32)
+        logits = forward_rows(self.model, x, segments, Span.whole(self.model))  # (N, V)
+        state = (logits, [c.state for b in blocks for c in b.executor.cache])
+        mx.eval(*state) if wait else mx.async_eval(*state)
+        outs, lo = [], 0
+        for b in blocks:
+            n = len(b.tokens) if b.all_logits else 1
+            outs.append(logits[lo : lo + n])
+            lo += n
+        return outs

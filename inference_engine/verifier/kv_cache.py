@@ -57,11 +57,37 @@ class CacheGeometry:
         """Positions (ascending) a query at p attends to."""
         return list(range(min(self.sink, p + 1))) + list(range(max(self.sink, p - self.window), p + 1))
 
+    def slab_bytes(self, num_layers: int, num_kv_heads: int, head_dim: int, itemsize: int = 4) -> int:
+        """Bytes of K and V storage for a whole model with this geometry (what a session holds)."""
+        return 2 * num_layers * num_kv_heads * self.slots * head_dim * itemsize
+
+
+def rollback_room(max_rollback: int) -> int:
+    """Trailing tokens a session's cache must be able to drop, for a server's `--max-rollback`.
+
+    A speculative step forwards up to K + 1 tokens (K <= max_rollback) and may keep only
+    the first; a step whose tokens were never sent is retracted whole: K + 1.
+    """
+    return max_rollback + 1
+
 
 @lru_cache(maxsize=64)
 def write_slots(geometry: CacheGeometry, start: int, length: int) -> mx.array:
     """(length,) int32 storage slots of positions start..start+length-1 (shared by all layers)."""
     return mx.array(geometry.slot_of(np.arange(start, start + length)).astype(np.int32))
+
+
+@lru_cache(maxsize=64)
+def row_groups(geometry: CacheGeometry, start: int, length: int) -> tuple[tuple[int, int, int], ...]:
+    """Consecutive rows sharing a key extent: ((row_lo, row_hi, extent), ...) (cached per block)."""
+    groups: list[tuple[int, int, int]] = []
+    for i in range(length):
+        extent = geometry.key_extent(start + i)
+        if groups and groups[-1][2] == extent:
+            groups[-1] = (groups[-1][0], i + 1, extent)
+        else:
+            groups.append((i, i + 1, extent))
+    return tuple(groups)
 
 
 @lru_cache(maxsize=512)
@@ -80,10 +106,10 @@ def row_mask(geometry: CacheGeometry, start: int, length: int) -> mx.array:
 
 
 class SinkWindowKVCache:
-    """One layer's K/V storage for one session.
+    """One layer's K/V storage for one session (implements model.kv_protocol.KVCache).
 
-    Protocol (as mlx-lm caches): `offset`, `update_and_fetch`, `trim`, `nbytes`,
-    plus `canonical_state` for digests.
+    Protocol (as mlx-lm caches): `offset`, `update_and_fetch`, `trim`, `nbytes`, `state`,
+    plus `row_groups` for attention and `canonical_state` for digests.
     """
 
     def __init__(self, geometry: CacheGeometry, num_kv_heads: int, head_dim: int, dtype: mx.Dtype = mx.float32):
@@ -114,6 +140,21 @@ class SinkWindowKVCache:
         mask = row_mask(g, self.offset, length)
         self.offset += length
         return self.keys, self.values, mask
+
+    @property
+    def max_block(self) -> int:
+        """Most rows one update may take (the geometry's block)."""
+        return self.geometry.max_block
+
+    @property
+    def state(self) -> tuple[mx.array, mx.array]:
+        """The K and V storage arrays."""
+        return self.keys, self.values
+
+    def row_groups(self, start: int, length: int) -> tuple[tuple[int, int, int], ...]:
+        """Rows at positions start.. grouped by key extent (see `row_groups`)."""
+        return row_groups(self.geometry, start, length)
+
     def trim(self, n: int) -> int:
         """Drop the last n positions; returns n. Raises ValueError past max_rollback."""
         if n < 0 or n > self.geometry.max_rollback or n > self.offset:

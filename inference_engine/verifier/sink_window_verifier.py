@@ -1,21 +1,26 @@
 """The sink-window verifier: a session's model state on the exact forward path.
 
 `forward_block` computes a block of tokens into the cache (tentatively) and returns their
-logits; `commit_or_truncate` keeps the accepted prefix and drops the rest, which is exact
-even after the window has wrapped because dropped rows only ever overwrote ring slots
-that no retained position needs (see kv_cache.py).
+logits; `commit_or_truncate` keeps the accepted prefix, appends it to the session's token
+log, and drops the rest, which is exact even after the window has wrapped because dropped
+rows only ever overwrote ring slots that no retained position needs (see kv_cache.py).
+The verifier keeps no tokens of its own: the cached token sequence is the log read at the
+positions the next query sees.
+
+A block can also be computed with other sessions' blocks in one backend forward:
+`begin_block` stages it, the caller runs `Backend.forward`, `end_block` records the result.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections import deque
 
 import mlx.core as mx
 import numpy as np
 
 from inference_engine.errors import InvariantViolation
-from inference_engine.verifier.executor import Executor
+from inference_engine.verifier.executor import Block, Executor
+from inference_engine.verifier.token_log import TokenLog
 
 
 def state_digest(logits: mx.array | None, cached_tokens: list[int], position: int, layer_digests: list[bytes]) -> str:
@@ -31,15 +36,20 @@ def state_digest(logits: mx.array | None, cached_tokens: list[int], position: in
 
 
 class SinkWindowVerifier:
-    """Per-session bookkeeping + next-token logits over an executor (local or shard route)."""
+    """Per-session next-token logits and pending block over an executor and the session's log."""
 
-    def __init__(self, executor: Executor):
-        self.executor = executor  # computes blocks and owns the K/V
+    def __init__(self, executor: Executor, log: TokenLog | None):
+        """
+        Args:
+            executor: computes blocks and owns the K/V (at position len(log)).
+            log: the session's token log, which the verifier extends on commit and cuts on
+                rollback; None for a cache that follows a log by position (a draft model's).
+        """
+        self.executor = executor
         self.geometry = executor.geometry
-        self._sink_tokens: list[int] = []  # tokens at positions < sink
-        self._recent: deque[int] = deque(maxlen=self.geometry.ring)  # tokens at the latest positions
+        self.log = log
         self._logits: mx.array | None = None  # (V,) logits after the last committed token
-        self._pending: tuple[list[int], mx.array, mx.array | None] | None = None  # tokens, logits, prior logits
+        self._pending: tuple[tuple[int, ...], mx.array | None, bool] | None = None  # tokens, logits, all_logits
 
     @property
     def next_global_position(self) -> int:
@@ -55,18 +65,44 @@ class SinkWindowVerifier:
     def cached_token_sequence(self) -> list[int]:
         """Tokens whose K/V the next query attends to: sinks, then the window, in order."""
         p = self.next_global_position
-        visible = self.geometry.visible_positions(p)[:-1] if p else []
-        return [self._token_at(q, p) for q in visible]
-
-    def _token_at(self, q: int, p: int) -> int:
-        if q < self.geometry.sink:
-            return self._sink_tokens[q]
-        return self._recent[len(self._recent) - (p - q)]
+        if self.log is None:
+            raise InvariantViolation("this cache keeps no token log (a draft cache)")
+        return [self.log[q] for q in self.geometry.visible_positions(p)[:-1]] if p else []
 
     def prefill(self, tokens: list[int]) -> None:
         """Feed tokens and commit them all (the first append of a session)."""
         self.forward_block(tokens, all_logits=False)
         self.commit_or_truncate(len(tokens), len(tokens))
+
+    def begin_block(self, tokens: list[int] | tuple[int, ...], all_logits: bool = True) -> Block:
+        """Stage a block for a backend forward (then `end_block` with its result).
+
+        Raises:
+            InvariantViolation: a previous block is still pending, or the block is empty.
+        """
+        if self._pending is not None:
+            raise InvariantViolation("forward_block called while a previous block awaits commit_or_truncate")
+        if not tokens:
+            raise InvariantViolation("forward_block needs at least one token")
+        block = Block(self.executor, tuple(int(t) for t in tokens), all_logits)
+        self._pending = (block.tokens, None, all_logits)
+        return block
+
+    def end_block(self, logits: mx.array | BaseException | None) -> mx.array | None:
+        """Record the staged block's result (pending a commit); None drops it (it failed).
+
+        Raises:
+            the block's exception (the block is dropped; see Backend.forward for the K/V).
+        """
+        assert self._pending is not None, "end_block without begin_block"
+        if logits is None or isinstance(logits, BaseException):
+            self._pending = None
+            if logits is not None:
+                raise logits
+            return None
+        tokens, _, all_logits = self._pending
+        self._pending = (tokens, logits, all_logits)
+        return logits
 
     def forward_block(self, tokens: list[int], all_logits: bool = True, wait: bool = True) -> mx.array:
         """Compute `tokens` at the next positions into the cache, pending a commit.
@@ -75,19 +111,14 @@ class SinkWindowVerifier:
             tokens: the block (non-empty).
             all_logits: return logits of every row (verification), else the last row's.
             wait: False may return the logits while they are still computing (see
-                Executor.forward); bits are the same either way.
+                Backend.forward); bits are the same either way.
         Returns:
             (L, V) float32 logits (or (1, V)); row i predicts the token after tokens[i].
         Raises:
             InvariantViolation: a previous block is still pending.
         """
-        if self._pending is not None:
-            raise InvariantViolation("forward_block called while a previous block awaits commit_or_truncate")
-        if not tokens:
-            raise InvariantViolation("forward_block needs at least one token")
-        logits = self.executor.forward(list(tokens), all_logits, wait)
-        self._pending = (list(tokens), logits, self._logits)
-        return logits
+        block = self.begin_block(tokens, all_logits)
+        return self.end_block(self.executor.backend.forward([block], wait)[0])
 
     def commit_or_truncate(self, forwarded: int, accepted: int) -> None:
         """Keep the first `accepted` of the `forwarded` pending tokens, drop the rest.
@@ -96,7 +127,7 @@ class SinkWindowVerifier:
             InvariantViolation: counts do not match the pending block, or more than
                 `max_rollback` tokens would be dropped.
         """
-        if self._pending is None or forwarded != len(self._pending[0]):
+        if self._pending is None or self._pending[1] is None or forwarded != len(self._pending[0]):
             have = len(self._pending[0]) if self._pending else 0
             raise InvariantViolation(f"commit_or_truncate(forwarded={forwarded}) but {have} tokens are pending")
         drop = forwarded - accepted
@@ -104,22 +135,18 @@ class SinkWindowVerifier:
             raise InvariantViolation(
                 f"accepted={accepted} must be in [{max(0, forwarded - self.geometry.max_rollback)}, {forwarded}]"
             )
-        tokens, logits, prior = self._pending
-        if logits.shape[0] != forwarded and accepted != forwarded:
+        tokens, logits, all_logits = self._pending
+        if not all_logits and accepted != forwarded:
             raise InvariantViolation("a block forwarded with last-row logits only must be accepted whole")
         self.executor.trim(drop)
         self._pending = None
-        start = self.executor.offset - accepted
-        for i, t in enumerate(tokens[:accepted]):
-            (self._sink_tokens if start + i < self.geometry.sink else self._recent).append(t)
-        if accepted == 0:
-            self._logits = prior
-        else:
-            # With last-row-only logits the block was fully accepted (prefill/append).
-            self._logits = logits[accepted - 1] if logits.shape[0] == forwarded else logits[-1]
+        if self.log is not None:
+            self.log.extend(tokens[:accepted])
+        if accepted:
+            self._logits = logits[accepted - 1] if all_logits else logits[-1]
 
     def rollback(self, n: int, logits: mx.array | None = None) -> None:
-        """Drop the last `n` committed tokens (at most `max_rollback`).
+        """Drop the last `n` committed tokens (at most `max_rollback`) from the cache and the log.
 
         Args:
             n: tokens to drop.
@@ -133,9 +160,13 @@ class SinkWindowVerifier:
         if n < 0 or n > min(self.geometry.max_rollback, self.next_global_position):
             raise InvariantViolation(f"cannot roll back {n} tokens (allowed 0..{self.geometry.max_rollback})")
         self.executor.trim(n)
-        for i in range(n):
-            p = self.executor.offset + n - 1 - i  # position being removed (descending)
-            (self._sink_tokens if p < self.geometry.sink else self._recent).pop()
+        if self.log is not None:
+            self.log.truncate(len(self.log) - n)
+        self._logits = logits
+
+    def reset(self, logits: mx.array | None) -> None:
+        """Drop any pending block and set the next-token logits (after the executor was restored)."""
+        self._pending = None
         self._logits = logits
 
     def state_digest(self) -> str:

@@ -12,8 +12,6 @@ from typing import Any, Callable
 
 import numpy as np
 
-
-
 ROOT = Path(__file__).resolve().parents[2]
 CHAT_PROMPT = "Explain how a hash table works, and when you would use one instead of a sorted list."
 # Real English prose for long prompts: docstrings of standard-library modules (~6k tokens).
@@ -35,12 +33,13 @@ class Plan:
     sessions: int  # sessions open for the second RSS figure (also the server's pool)
     bandwidth_bytes: int  # buffer size of the bandwidth probe
     append_tokens: int = 16  # tokens per timed AppendTokens
+    hol_append_tokens: int = 1500  # the long append another session's stream must not stall behind
 
 
 FULL = Plan(new_tokens=128, prefill_tokens=512, reps=5, append_reps=10, short_history=100, long_history=4000,
             filled_history=1100, window=1024, sessions=8, bandwidth_bytes=2 << 30)
 QUICK = Plan(new_tokens=8, prefill_tokens=32, reps=1, append_reps=2, short_history=20, long_history=200,
-             filled_history=80, window=64, sessions=8, bandwidth_bytes=256 << 20)
+             filled_history=80, window=64, sessions=8, bandwidth_bytes=256 << 20, hol_append_tokens=64)
 
 
 @dataclass

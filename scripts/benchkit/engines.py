@@ -10,12 +10,12 @@ import sys
 import tempfile
 import time
 from contextlib import ExitStack
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-
-from benchkit.core import Contender, Plan, Prompts, ROOT, Trace, mlx_weight_bytes, summary
-
+from benchkit.core import ROOT, Contender, Plan, Prompts, Trace, mlx_weight_bytes, summary
+from inference_engine.readiness import wait_ready
 
 # ---------------------------------------------------------------------------- server (gRPC)
 
@@ -29,17 +29,18 @@ class ServerProcess:
                "--default-window", str(plan.window), "--max-sessions", str(plan.sessions)]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=self._log, text=True)
-        line = self.proc.stdout.readline()
-        if not line.startswith("listening on "):
+        try:
+            address = wait_ready(self.proc)
+        except OSError as exc:
             self.close()
-            raise RuntimeError(f"server did not start: {line!r}\n{self.log()}")
+            raise RuntimeError(f"server did not start: {exc}\n{self.log()}") from None
         import grpc
 
         from inference_engine.v1 import runtime_pb2 as pb
         from inference_engine.v1 import runtime_pb2_grpc as pb_grpc
 
         self.pb = pb
-        self.channel = grpc.insecure_channel(line.split()[-1])
+        self.channel = grpc.insecure_channel(address)
         grpc.channel_ready_future(self.channel).result(timeout=30)
         self.stub = pb_grpc.RuntimeServiceStub(self.channel)
 
@@ -218,29 +219,21 @@ def measure_pipeline(plan: Plan, prompts: Prompts, model_dir: Path) -> dict[str,
     from inference_engine.config import ServerConfig
     from inference_engine.model.loader import load_model
     from inference_engine.runtime.runtime import Runtime
-    from inference_engine.server.server import build_engine
-    from inference_engine.shard.pipeline import ShardPipeline
-    from inference_engine.shard.remote_executor import ShardRoute
+    from inference_engine.server.server import build_engine, connect_shards
 
     cfg = ServerConfig(port=0, default_window=plan.window, max_sessions=2, draft_model=None)
     loaded = load_model(model_dir)
     engines = {"single_process": build_engine(cfg, loaded), "pipeline": build_engine(cfg, loaded)}
     block = engines["single_process"].block
     workers = [subprocess.Popen([sys.executable, "-m", "inference_engine", "shard-worker", "--layers", r,
-                                 "--port", "0", "--block", str(block), "--max-rollback", str(cfg.max_rollback + 1)],
+                                 "--port", "0", "--block", str(block)],
                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
                for r in PIPELINE_RANGES]
     loop = asyncio.new_event_loop()
     try:
-        addresses = []
-        for w in workers:
-            line = w.stdout.readline()
-            if not line.startswith("listening on "):
-                raise RuntimeError(f"shard worker did not start: {line!r}")
-            addresses.append(line.split()[-1])
-        pipeline = ShardPipeline(addresses)
-        loop.run_until_complete(pipeline.connect())
-        engines["pipeline"].use_route(ShardRoute(pipeline, loop))
+        addresses = [wait_ready(w) for w in workers]
+        route, _ = loop.run_until_complete(connect_shards(replace(cfg, shards=tuple(addresses)), engines["pipeline"]))
+        pipeline = route.pipeline
         runtimes = {name: Runtime(e, cfg) for name, e in engines.items()}
 
         def decode(runtime: Runtime, n: int):  # noqa: ANN202 - a coroutine for loop.run_until_complete
@@ -257,8 +250,7 @@ def measure_pipeline(plan: Plan, prompts: Prompts, model_dir: Path) -> dict[str,
                  "mean_ms": 1e3 * (a.seconds - b.seconds) / max(1, a.calls - b.calls)}
                 for a, b in zip(pipeline.hop_stats(), before)]
         loop.run_until_complete(asyncio.sleep(0.2))  # closed sessions' releases reach the workers
-        loop.run_until_complete(pipeline.close())
-        loop.run_until_complete(asyncio.sleep(0.1))  # the route's streams wind down before the loop closes
+        loop.run_until_complete(route.stop())
     finally:
         for e in engines.values():
             e.close()

@@ -11,10 +11,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-
-from inference_engine.blas import active_blas
 from benchkit.core import EngineResult, Plan, summary
-
+from inference_engine.blas import active_blas
 
 # ---------------------------------------------------------------------------- report
 

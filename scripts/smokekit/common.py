@@ -7,8 +7,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-
-
 REPO = Path(__file__).resolve().parents[2]
 VOCAB_SIZE = 49152  # SmolLM2; the first out-of-vocab id
 RPC_TIMEOUT_S = 120.0  # deadline of every RPC, so a hung server fails the run instead of stalling it

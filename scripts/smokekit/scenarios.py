@@ -10,7 +10,16 @@ import grpc
 
 from inference_engine.v1 import runtime_pb2 as pb
 from inference_engine.v1 import runtime_pb2_grpc as pb_grpc
-from smokekit.common import CheckFailed, FOLLOW_UP, Generated, PROMPT, RPC_TIMEOUT_S, ScenarioResult, Tokenizer, VOCAB_SIZE
+from smokekit.common import (
+    FOLLOW_UP,
+    PROMPT,
+    RPC_TIMEOUT_S,
+    VOCAB_SIZE,
+    CheckFailed,
+    Generated,
+    ScenarioResult,
+    Tokenizer,
+)
 
 
 class Smoke:

@@ -20,19 +20,16 @@ from typing import Coroutine
 import grpc
 
 from inference_engine.errors import InvalidRequest, RuntimeServiceError
-from inference_engine.shard.engine import ShardEngine
-from inference_engine.shard.engine_thread import EngineThread
-from inference_engine.shard.errors import (
+from inference_engine.shard.protocol.errors import (
     DeadlineExpired,
     EpochStale,
     FlowControlViolation,
     WorkCancelled,
     code_of,
 )
-from inference_engine.shard.route_table import RouteTable
-from inference_engine.shard.status_codes import grpc_status_of
-from inference_engine.shard.types import ShardWork
-from inference_engine.shard.wire import (
+from inference_engine.shard.protocol.status_codes import grpc_status_of
+from inference_engine.shard.protocol.types import ShardWork
+from inference_engine.shard.protocol.wire import (
     FrameHeader,
     check,
     error_frame,
@@ -41,6 +38,9 @@ from inference_engine.shard.wire import (
     result_frame,
     work_of,
 )
+from inference_engine.shard.worker.engine import ShardEngine
+from inference_engine.shard.worker.engine_thread import EngineThread
+from inference_engine.shard.worker.route_table import RouteTable
 from inference_engine.v1 import shard_runtime_pb2 as pb
 
 log = logging.getLogger(__name__)

@@ -25,19 +25,18 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import grpc
 import numpy as np
 
-from inference_engine.errors import InvalidRequest, InvariantViolation, RuntimeServiceError, SessionNotFound
-from inference_engine.shard.errors import MalformedShardOutput, PayloadCorrupt
-from inference_engine.shard.hop_stream import HopStream
-from inference_engine.shard.status_codes import error_of_rpc
-from inference_engine.shard.tensor_codec import decode_tensor
-from inference_engine.shard.types import LayerRange, ShardCapabilities, ShardHealth
-from inference_engine.shard.wire import (
+from inference_engine.errors import InvalidRequest, InvariantViolation, SessionNotFound
+from inference_engine.shard.client.hop_stream import HopStream
+from inference_engine.shard.client.route_session import HopStats, RouteSession, checked_output
+from inference_engine.shard.protocol.errors import MalformedShardOutput
+from inference_engine.shard.protocol.status_codes import error_of_rpc
+from inference_engine.shard.protocol.types import LayerRange, ShardCapabilities, ShardHealth
+from inference_engine.shard.protocol.wire import (
     CLIENT_CHANNEL_OPTIONS,
     MAX_ROWS,
     capabilities_of,
@@ -48,35 +47,6 @@ from inference_engine.shard.wire import (
 from inference_engine.v1 import shard_runtime_pb2 as pb
 from inference_engine.v1 import shard_runtime_pb2_grpc as pb_grpc
 from inference_engine.verifier.kv_cache import CacheGeometry
-
-
-@dataclass(frozen=True)
-class HopStats:
-    """Round trips to one worker since the pipeline started."""
-
-    address: str  # host:port
-    layers: LayerRange  # blocks it runs
-    calls: int  # work frames answered (forward blocks and trims)
-    seconds: float  # total wall time from send to checked answer
-
-    @property
-    def mean_ms(self) -> float:
-        """Mean per-hop latency in milliseconds (0 before any call)."""
-        return 1e3 * self.seconds / self.calls if self.calls else 0.0
-
-
-@dataclass
-class _RouteSession:
-    """A route session as the pipeline tracks it."""
-
-    session_id: str  # the caller's id (= route_session_id on the workers)
-    epoch: int  # route epoch it was opened at
-    geometry: CacheGeometry  # identical on every worker
-    hops: list[HopStream]  # head first
-    position: int = 0  # next global position (tokens in the cache)
-    step: int = 0  # last idempotency_step used
-    broken: str = ""  # why the session can no longer be used ("" = usable)
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one call at a time
 
 
 class ShardPipeline:
@@ -102,7 +72,7 @@ class ShardPipeline:
         self._channels: list[grpc.aio.Channel] = []
         self._stubs: list[pb_grpc.ShardRuntimeStub] = []
         self._caps: tuple[ShardCapabilities, ...] = ()
-        self._sessions: dict[str, _RouteSession] = {}
+        self._sessions: dict[str, RouteSession] = {}
         self._stats = [[0, 0.0] for _ in self.addresses]  # calls, seconds per hop
 
     async def __aenter__(self) -> "ShardPipeline":
@@ -224,7 +194,7 @@ class ShardPipeline:
                                  max_rollback=self.max_rollback if max_rollback is None else max_rollback)
         hops = [HopStream(stub, address, caps, self.step_timeout_s)
                 for stub, address, caps in zip(self._stubs, self.addresses, self._caps)]
-        session = _RouteSession(session_id, self._epoch, geometry, hops)
+        session = RouteSession(session_id, self._epoch, geometry, hops)
         try:
             await asyncio.gather(*(h.open(session_id, self._epoch, geometry, self.connect_timeout_s) for h in hops))
         except BaseException:
@@ -266,24 +236,14 @@ class ShardPipeline:
         bad = [t for t in block if not 0 <= t < vocab]
         if bad:
             raise InvalidRequest(f"token id {bad[0]} is out of range; allowed 0..{vocab - 1}")
-        async with s.lock:
-            self._check_usable(s)
-            s.step += 1
-            deadline = time.time_ns() + int(self.step_timeout_s * 1e9)
-            data: np.ndarray | None = None
-            try:
-                for i, hop in enumerate(s.hops):
-                    frame = work_frame(session_id, s.epoch, s.step, s.position, block if i == 0 else None,
-                                       data, all_logits, deadline)
-                    started = time.perf_counter()
-                    result = await hop.request(frame, s.step)
-                    data = self._checked_output(hop, result, s, len(block), all_logits)
-                    self._count(i, started)
-            except BaseException as exc:
-                self._break(s, exc)
-                raise
+        def frame(i: int, data: np.ndarray | None, deadline: int) -> pb.ShardRequestFrame:
+            return work_frame(session_id, s.epoch, s.step, s.position, block if i == 0 else None, data, all_logits,
+                              deadline)
+
+        def advance() -> None:
             s.position += len(block)
-            return data
+
+        return await self._round(s, frame, lambda hop, result, _: checked_output(hop, result, s.position, len(block), all_logits), advance)
 
     async def trim(self, session_id: str, n: int) -> int:
         """Drop the session's last `n` positions on every worker (speculative rollback).
@@ -296,26 +256,21 @@ class ShardPipeline:
             any shard error a worker answered with (the session fails).
         """
         s = self._session(session_id)
-        async with s.lock:
+        allowed = min(s.geometry.max_rollback, s.position)
+        if not 0 <= n <= allowed:
             self._check_usable(s)
-            allowed = min(s.geometry.max_rollback, s.position)
-            if not 0 <= n <= allowed:
-                raise InvariantViolation(f"cannot trim {n} positions; allowed 0..{allowed}")
-            s.step += 1
-            deadline = time.time_ns() + int(self.step_timeout_s * 1e9)
-            try:
-                for i, hop in enumerate(s.hops):
-                    started = time.perf_counter()
-                    result = await hop.request(trim_frame(s.epoch, s.step, s.position, n, deadline), s.step)
-                    if (result.position, result.next_position) != (s.position, s.position - n):
-                        raise MalformedShardOutput(f"{hop.where} trimmed {result.position}->{result.next_position}; "
-                                                   f"expected {s.position}->{s.position - n}")
-                    self._count(i, started)
-            except BaseException as exc:
-                self._break(s, exc)
-                raise
+            raise InvariantViolation(f"cannot trim {n} positions; allowed 0..{allowed}")
+
+        def check(hop: HopStream, result: pb.ShardStepResult, _: object) -> None:
+            if (result.position, result.next_position) != (s.position, s.position - n):
+                raise MalformedShardOutput(f"{hop.where} trimmed {result.position}->{result.next_position}; "
+                                           f"expected {s.position}->{s.position - n}")
+
+        def advance() -> None:
             s.position -= n
-            return s.position
+
+        await self._round(s, lambda i, _, deadline: trim_frame(s.epoch, s.step, s.position, n, deadline), check, advance)
+        return s.position
 
     async def layer_digests(self, session_id: str) -> list[bytes]:
         """SHA-256 of every block's cached K/V, in layer order (head's blocks first).
@@ -330,25 +285,17 @@ class ShardPipeline:
             any shard error a worker answered with (the session fails).
         """
         s = self._session(session_id)
-        async with s.lock:
-            self._check_usable(s)
-            s.step += 1
-            deadline = time.time_ns() + int(self.step_timeout_s * 1e9)
-            digests: list[bytes] = []
-            try:
-                for hop in s.hops:
-                    result = await hop.request(digest_frame(s.epoch, s.step, s.position, deadline), s.step)
-                    got = list(result.layer_digests)
-                    if len(got) != len(hop.caps.layers) or any(len(d) != 32 for d in got) \
-                            or result.next_position != s.position:
-                        raise MalformedShardOutput(f"{hop.where} reported {len(got)} digests at position "
-                                                   f"{result.next_position}; expected {len(hop.caps.layers)} "
-                                                   f"SHA-256 digests at {s.position}")
-                    digests += got
-            except BaseException as exc:
-                self._break(s, exc)
-                raise
-            return digests
+
+        def check(hop: HopStream, result: pb.ShardStepResult, digests: list[bytes] | None) -> list[bytes]:
+            got = list(result.layer_digests)
+            if len(got) != len(hop.caps.layers) or any(len(d) != 32 for d in got) or result.next_position != s.position:
+                raise MalformedShardOutput(f"{hop.where} reported {len(got)} digests at position "
+                                           f"{result.next_position}; expected {len(hop.caps.layers)} "
+                                           f"SHA-256 digests at {s.position}")
+            return (digests or []) + got
+
+        return await self._round(s, lambda i, _, deadline: digest_frame(s.epoch, s.step, s.position, deadline), check,
+                                 count=False)
 
     async def cancel(self, session_id: str) -> None:
         """Cancel the session on every worker (out of band; a running step stops within a chunk).
@@ -406,32 +353,63 @@ class ShardPipeline:
 
     # -- helpers ---------------------------------------------------------------------
 
-    def _session(self, session_id: str) -> _RouteSession:
+    def _session(self, session_id: str) -> RouteSession:
         s = self._sessions.get(session_id)
         if s is None:
             raise SessionNotFound(f"session {session_id!r} is not open in this pipeline")
         return s
 
     @staticmethod
-    def _check_usable(s: _RouteSession) -> None:
+    def _check_usable(s: RouteSession) -> None:
         if s.broken:
             raise InvariantViolation(f"session {s.session_id!r} failed ({s.broken}); advance_epoch(), open it "
                                      "again and replay its tokens")
 
-    def _break(self, s: _RouteSession, exc: BaseException) -> None:
+    def _break(self, s: RouteSession, exc: BaseException) -> None:
         s.broken = s.broken or f"{type(exc).__name__}: {exc}"
         self._close_hops(s)
 
     @staticmethod
-    def _close_hops(s: _RouteSession) -> None:
+    def _close_hops(s: RouteSession) -> None:
         for hop in s.hops:
             hop.close()
 
-    async def _release_on_workers(self, s: _RouteSession) -> list[object]:
+    async def _release_on_workers(self, s: RouteSession) -> list[object]:
         """Release on every worker; each reply or exception, head first."""
         request = pb.ShardReleaseRequest(route_session_id=s.session_id, route_epoch=s.epoch)
         return await asyncio.gather(*(self._unary(i, "Release", request) for i in range(len(s.hops))),
                                     return_exceptions=True)
+
+    async def _round(self, s: RouteSession, frame: Callable[[int, Any, int], pb.ShardRequestFrame],
+                     check: Callable[[HopStream, pb.ShardStepResult, Any], Any], done: Callable[[], None] = lambda: None,
+                     count: bool = True) -> Any:
+        """One idempotency step through every hop, head first; any failure fails the session.
+
+        Args:
+            frame: (hop index, previous hop's checked output, deadline) -> the hop's frame.
+            check: (hop, its answer, previous output) -> this hop's checked output (raises if wrong).
+            done: applied once every hop answered (under the session's lock).
+            count: record the hops' latencies (forward blocks and trims).
+        Returns:
+            The last hop's checked output.
+        """
+        async with s.lock:
+            self._check_usable(s)
+            s.step += 1
+            deadline = time.time_ns() + int(self.step_timeout_s * 1e9)
+            data: Any = None
+            try:
+                for i, hop in enumerate(s.hops):
+                    started = time.perf_counter()
+                    result = await hop.request(frame(i, data, deadline), s.step)
+                    data = check(hop, result, data)
+                    if count:
+                        self._count(i, started)
+            except BaseException as exc:
+                self._break(s, exc)
+                raise
+            done()
+            return data
 
     def _count(self, hop: int, started: float) -> None:
         self._stats[hop][0] += 1
@@ -444,27 +422,3 @@ class ShardPipeline:
             return await getattr(self._stubs[i], method)(request, timeout=self.connect_timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise error_of_rpc(exc, self.addresses[i]) from exc
-
-    def _checked_output(self, hop: HopStream, result: pb.ShardStepResult, s: _RouteSession, rows: int,
-                        all_logits: bool) -> np.ndarray:
-        """The answer's tensor, after checking it is what this hop must produce."""
-        caps = hop.caps
-        if (result.position, result.next_position) != (s.position, s.position + rows):
-            raise MalformedShardOutput(f"{hop.where} computed positions {result.position}->{result.next_position}; "
-                                       f"expected {s.position}->{s.position + rows}")
-        if not result.HasField("output"):
-            raise MalformedShardOutput(f"{hop.where} answered without an output tensor")
-        try:
-            tensor = decode_tensor(result.output)
-        except (PayloadCorrupt, RuntimeServiceError) as exc:
-            raise MalformedShardOutput(f"{hop.where} sent a bad tensor: {exc}") from exc
-        if caps.is_tail:
-            shape, dtype = (rows if all_logits else 1, caps.vocab_size), np.dtype("float32")
-        else:
-            shape, dtype = (rows, caps.hidden_size), np.dtype(caps.activation_dtype)
-        if tensor.shape != shape or tensor.dtype != dtype:
-            raise MalformedShardOutput(f"{hop.where} returned {tensor.dtype}{list(tensor.shape)}; "
-                                       f"expected {dtype}{list(shape)}")
-        if not np.isfinite(tensor).all():
-            raise MalformedShardOutput(f"{hop.where} returned non-finite values")
-        return tensor

@@ -12,7 +12,7 @@ import crc32c
 import numpy as np
 
 from inference_engine.errors import InvalidRequest
-from inference_engine.shard.errors import PayloadCorrupt
+from inference_engine.shard.protocol.errors import PayloadCorrupt
 from inference_engine.v1 import shard_runtime_pb2 as pb
 
 FRAGMENT_BYTES = 1 << 20  # payload bytes per fragment when encoding

@@ -9,20 +9,24 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+from typing import Callable
 
 from inference_engine.blas import active_blas
 from inference_engine.model.packaged import resolve_model_path
 from inference_engine.process_exit import wait_for_stop_signal
-from inference_engine.shard.engine import ShardEngine
-from inference_engine.shard.worker_config import ShardWorkerConfig, worker_config_from_args
+from inference_engine.readiness import announce
+from inference_engine.shard.worker.config import ShardWorkerConfig, worker_config_from_args
+from inference_engine.shard.worker.engine import ShardEngine
 
 log = logging.getLogger(__name__)
 
 
+EngineWrapper = Callable[[ShardEngine], ShardEngine]
+
+
 def build_engine(cfg: ShardWorkerConfig) -> ShardEngine:
     """The worker's engine, loaded (weights read, tile probed unless `cfg.block` is set)."""
-    from inference_engine.shard.fault_injection import FaultInjectingEngine
-    from inference_engine.shard.mlx_engine import MlxShardEngine
+    from inference_engine.shard.worker.mlx_engine import MlxShardEngine
 
     path = resolve_model_path(cfg.model, cfg.cache_dir)
     log.info("loading layers %s of %s", cfg.layers, path)
@@ -34,21 +38,24 @@ def build_engine(cfg: ShardWorkerConfig) -> ShardEngine:
     caps = engine.capabilities()
     log.info("layers %s of %d, block %d, head=%s tail=%s", caps.layers, caps.num_layers, caps.max_block,
              caps.is_head, caps.is_tail)
-    if cfg.faults is not None:
-        log.warning("TEST FIXTURE: injecting faults %s", cfg.faults)
-        engine = FaultInjectingEngine(engine, cfg.faults)
     return engine
 
 
-async def serve_worker(cfg: ShardWorkerConfig) -> None:
-    """Serve until SIGTERM/SIGINT, then drain in-flight RPCs for `grace_s`."""
-    from inference_engine.shard.servicer import start_shard_server
+async def serve_worker(cfg: ShardWorkerConfig, wrap: EngineWrapper | None = None) -> None:
+    """Serve until SIGTERM/SIGINT, then drain in-flight RPCs for `grace_s`.
+
+    Args:
+        wrap: applied to the loaded engine before serving (the test fixture's fault injector).
+    """
+    from inference_engine.shard.worker.servicer import start_shard_server
 
     log.info("BLAS in use: %s", active_blas())
     engine = build_engine(cfg)
+    if wrap is not None:
+        engine = wrap(engine)
     server, port, servicer = await start_shard_server(engine, cfg.host, cfg.port, max_credits=cfg.max_credits)
     try:
-        print(f"listening on {cfg.host}:{port}", flush=True)
+        announce(cfg.host, port)
         await wait_for_stop_signal(cfg.parent_pid)
         log.info("shutting down: failing open sessions, draining RPCs for up to %.1fs", cfg.grace_s)
         servicer.fail_sessions("the shard worker is shutting down")
@@ -58,14 +65,14 @@ async def serve_worker(cfg: ShardWorkerConfig) -> None:
     log.info("stopped")
 
 
-def run_worker(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+def run_worker(args: argparse.Namespace, parser: argparse.ArgumentParser, wrap: EngineWrapper | None = None) -> int:
     """The `shard-worker` command; returns the exit status (2: bad flags, layer range or address)."""
     try:
         cfg = worker_config_from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
     try:
-        asyncio.run(serve_worker(cfg))
+        asyncio.run(serve_worker(cfg, wrap))
     except (ValueError, OSError) as exc:
         log.error("cannot start the shard worker: %s", exc)
         return 2

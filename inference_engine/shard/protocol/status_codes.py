@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 
 from inference_engine.errors import RuntimeServiceError
-from inference_engine.shard.errors import ShardErrorCode, ShardUnavailable, error_for
+from inference_engine.shard.protocol.errors import ShardErrorCode, ShardUnavailable, error_for
 
 _STATUS_OF: dict[ShardErrorCode, grpc.StatusCode] = {
     ShardErrorCode.EPOCH_STALE: grpc.StatusCode.FAILED_PRECONDITION,

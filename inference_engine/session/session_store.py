@@ -1,4 +1,8 @@
-"""The session store: a fixed pool of KV slabs, unguessable ids and idle expiry."""
+"""The session store: a fixed pool of KV slabs, unguessable ids and idle expiry.
+
+A closed or expired session's K/V is freed (here or on the shard route) as soon as no call
+holds it: at once, or when its running call ends.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ import secrets
 import time
 
 from inference_engine.errors import PoolExhausted, SessionNotFound
-from inference_engine.runtime.session import Session
+from inference_engine.session.session import Session
 
 log = logging.getLogger(__name__)
 
@@ -75,22 +79,26 @@ class SessionStore:
         session.is_closed = True
         if session.is_busy:
             self._draining.add(session.session_id)
+        else:
+            session.free()
 
     def release(self, session: Session) -> None:
         """End a call on a session; frees the slab if the session was closed meanwhile."""
         session.release()
         if session.is_closed:
             self._draining.discard(session.session_id)
+            session.free()
+
+    def close_all(self) -> None:
+        """Close every session and free what is idle (shutdown)."""
+        for session in list(self._sessions.values()):
+            self._remove(session)
 
     def expire_idle(self) -> list[str]:
         """Close sessions idle for longer than the TTL; returns their ids."""
         cutoff = time.monotonic() - self.ttl_s
         expired = [s for s in self._sessions.values() if not s.is_busy and s.last_used_mono < cutoff]
         for session in expired:
-            log.info("session %s expired after %.0fs idle", session.session_id, self.ttl_s)
+            log.info("session %s… expired after %.0fs idle", session.tag, self.ttl_s)
             self._remove(session)
         return [s.session_id for s in expired]
-
-    def all(self) -> list[Session]:
-        """Open sessions."""
-        return list(self._sessions.values())

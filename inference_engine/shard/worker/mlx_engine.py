@@ -1,15 +1,14 @@
 """The real shard engine: transformer blocks [start, end) of an MLX model on the exact path.
 
 The head embeds token ids, every worker runs its blocks over per-session
-`SinkWindowKVCache`s, the tail applies the final norm and LM head. Blocks are chunked at
-the session's `max_block` (the probed tile) with the very functions `forward.forward`
-uses, so a route of these engines reproduces the single-process logits bit for bit.
+`SinkWindowKVCache`s, the tail applies the final norm and LM head. A block runs through the
+model's own `forward` over this worker's span of layers, chunked at the session's
+`max_block` (the probed tile), so a route of these engines reproduces the single-process
+logits bit for bit.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import threading
 import time
 from dataclasses import dataclass, field
@@ -21,10 +20,10 @@ import numpy as np
 
 from inference_engine.blas import active_blas
 from inference_engine.errors import InvalidRequest, InvariantViolation, PoolExhausted, SessionNotFound
-from inference_engine.model.forward import embed, lm_head, run_layers
-from inference_engine.shard.engine import ShardEngine
-from inference_engine.shard.errors import WorkCancelled
-from inference_engine.shard.types import (
+from inference_engine.model.forward import Span, forward
+from inference_engine.model.loader import load_weights, model_fingerprint, spec_of
+from inference_engine.shard.protocol.errors import WorkCancelled
+from inference_engine.shard.protocol.types import (
     LayerRange,
     ShardCapabilities,
     ShardHealth,
@@ -32,41 +31,11 @@ from inference_engine.shard.types import (
     ShardOutput,
     ShardWork,
 )
+from inference_engine.shard.worker.engine import ShardEngine
 from inference_engine.verifier.kv_cache import CacheGeometry, SinkWindowKVCache
 from inference_engine.verifier.tile_probe import probe_tile
 
 _NUMPY_DTYPE = {mx.float32: "float32", mx.float16: "float16"}
-
-
-def load_weights(path: Path) -> nn.Module:
-    """Load an mlx-lm folder's model lazily and without its tokenizer (workers need no text).
-
-    Weights are read when first evaluated, so a worker only materializes what it runs.
-
-    Raises:
-        FileNotFoundError: no config.json in `path`.
-        ValueError: not a llama-family model.
-    """
-    from mlx_lm.utils import load_model as mlx_lm_load_model
-
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path} is not an mlx-lm model folder (no config.json)")
-    model_type = json.loads((path / "config.json").read_text()).get("model_type")
-    if model_type not in ("llama", "mistral", "qwen2"):
-        raise ValueError(f"model_type {model_type!r} is not supported (llama family only)")
-    model, _ = mlx_lm_load_model(path, lazy=True)
-    return model
-
-
-def model_fingerprint(model: nn.Module) -> str:
-    """Hex SHA-256 over the model's shape arguments and its first embedding rows."""
-    a = model.args
-    h = hashlib.sha256()
-    for name in ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                 "num_key_value_heads", "vocab_size", "intermediate_size"):
-        h.update(f"{name}={getattr(a, name, None)};".encode())
-    h.update(np.array(model.model.embed_tokens.weight[:8]).tobytes())
-    return h.hexdigest()
 
 
 @dataclass
@@ -126,7 +95,7 @@ class MlxShardEngine(ShardEngine):
     def load(self) -> None:
         if self._caps is not None:
             return
-        model = load_weights(self._source) if isinstance(self._source, Path) else self._source
+        model = load_weights(self._source)[0] if isinstance(self._source, Path) else self._source
         args = model.args
         num_layers = int(args.num_hidden_layers)
         if self.layers.end > num_layers:
@@ -140,13 +109,13 @@ class MlxShardEngine(ShardEngine):
             if not probe.is_exact_possible:
                 raise InvariantViolation("tile probe: even single rows are not repeatable on this BLAS")
             block = probe.tile
-        act_dtype = embed(model, mx.array([0], dtype=mx.int32)).dtype
+        act_dtype = inner.embed_tokens(mx.array([[0]], dtype=mx.int32)).dtype
         if act_dtype not in _NUMPY_DTYPE:
             raise ValueError(f"activations of dtype {act_dtype} cannot be carried between workers")
         max_rollback, max_sessions, max_sink, max_window = self._limits
         self.model = model
-        self._num_kv_heads = int(args.num_key_value_heads)
-        self._head_dim = int(getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads)
+        self._spec = spec_of(model, self._name)
+        self._span = Span(self.layers.start, self.layers.end, self.layers.start == 0, self.layers.end == num_layers)
         self._caps = ShardCapabilities(
             model_name=self._name, model_fingerprint=model_fingerprint(model), num_layers=num_layers,
             layers=self.layers, hidden_size=int(args.hidden_size), vocab_size=int(args.vocab_size),
@@ -175,7 +144,8 @@ class MlxShardEngine(ShardEngine):
         for what, (value, low, high) in checks.items():
             if not low <= value <= high:
                 raise InvalidRequest(f"session {what} = {value} is out of range; this worker allows {low}..{high}")
-        cache = [SinkWindowKVCache(geometry, self._num_kv_heads, self._head_dim) for _ in range(len(self.layers))]
+        cache = [SinkWindowKVCache(geometry, self._spec.num_kv_heads, self._spec.head_dim)
+                 for _ in range(len(self.layers))]
         with self._lock:
             if session_id in self._sessions:
                 raise InvalidRequest(f"session {session_id!r} is already open on this worker")
@@ -260,17 +230,16 @@ class MlxShardEngine(ShardEngine):
         s = self._session(session_id)
         self._check_input(s, work)
         started, position, rows = time.perf_counter(), s.position, work.rows
-        step = s.geometry.max_block
-        outs: list[np.ndarray] = []
+
+        def before_chunk(done_rows: int) -> None:
+            if s.is_cancelled or work.work_id in s.cancelled_items:
+                self._abandon(s, done_rows)
+                raise WorkCancelled(f"work {work.work_id} of session {session_id!r} was cancelled")
+
+        x = work.tokens if caps.is_head else work.hidden
         try:
-            for i in range(0, rows, step):
-                if s.is_cancelled or work.work_id in s.cancelled_items:
-                    self._abandon(s, i)
-                    raise WorkCancelled(f"work {work.work_id} of session {session_id!r} was cancelled")
-                is_last = i + step >= rows
-                out = self._chunk(s, work, i, min(rows, i + step), is_last)
-                if out is not None:
-                    outs.append(out)
+            out = forward(self.model, x, s.cache, work.all_logits, span=self._span, before_chunk=before_chunk)
+            tensor = np.array(out)
         except (WorkCancelled, InvariantViolation):
             raise
         except Exception as exc:
@@ -278,29 +247,11 @@ class MlxShardEngine(ShardEngine):
             raise
         finally:
             s.cancelled_items.discard(work.work_id)
-        tensor = outs[0] if len(outs) == 1 else np.concatenate(outs, axis=0)
         with self._lock:
             self._steps += 1
             self._rows += rows
             self._busy_s += time.perf_counter() - started
         return ShardOutput(work.work_id, position, s.position, tensor, is_logits=caps.is_tail)
-
-    def _chunk(self, s: _Session, work: ShardWork, lo: int, hi: int, is_last: bool) -> np.ndarray | None:
-        """Rows [lo, hi) of the block through this engine's blocks (as `forward.forward_chunk`)."""
-        caps, model = self._caps, self.model
-        if caps.is_head:
-            h = embed(model, mx.array(work.tokens[lo:hi], dtype=mx.int32))  # (1, L, hidden)
-        else:
-            h = mx.array(work.hidden[lo:hi])[None]  # (1, L, hidden)
-        h = run_layers(model, h, s.cache, caps.layers.start, caps.layers.end)
-        if not caps.is_tail:
-            out = h[0]  # (L, hidden)
-        elif work.all_logits or is_last:
-            out = lm_head(model, h, work.all_logits)  # (L or 1, V) float32
-        else:
-            out = None  # logits of a non-final chunk are not wanted
-        mx.eval(out if out is not None else h, [c.keys for c in s.cache], [c.values for c in s.cache])
-        return None if out is None else np.array(out)
 
     def _abandon(self, s: _Session, done_rows: int) -> None:
         """Undo the rows of a cancelled block, or mark the session broken if that is inexact."""

@@ -1,4 +1,4 @@
-"""The one thread that runs model compute, so MLX stays off the event loop."""
+"""The one thread that runs a worker's engine calls, so MLX stays off the event loop."""
 
 from __future__ import annotations
 
@@ -6,20 +6,16 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, TypeVar
 
+from inference_engine.shard.protocol.errors import ShardUnavailable
+
 T = TypeVar("T")
 
 
-class ComputeThread:
-    """Runs callables one at a time on a dedicated thread, for asyncio callers."""
+class EngineThread:
+    """Runs a worker's engine calls one at a time on a dedicated thread, for asyncio callers."""
 
-    def __init__(self, name: str, unavailable: Callable[[], Exception]):
-        """
-        Args:
-            name: thread name prefix (shows in stack dumps).
-            unavailable: builds the error raised by `run` after `close`.
-        """
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
-        self._unavailable = unavailable
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-engine")
         self._closed = False
 
     async def run(self, fn: Callable[..., T], *args: object) -> T:
@@ -29,7 +25,7 @@ class ComputeThread:
         cancellation propagates, so state it mutates is never left half-updated.
 
         Raises:
-            The `unavailable()` error once the thread has been closed.
+            ShardUnavailable once the thread has been closed (the worker is shutting down).
         """
         fut = self.submit(fn, *args)
         try:
@@ -47,10 +43,10 @@ class ComputeThread:
         `asyncio.wait` it.
 
         Raises:
-            The `unavailable()` error once the thread has been closed.
+            ShardUnavailable once the thread has been closed (the worker is shutting down).
         """
         if self._closed:
-            raise self._unavailable()
+            raise ShardUnavailable("the shard worker is shutting down")
         return asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     def close(self) -> None:

@@ -13,7 +13,7 @@ import contextlib
 import grpc
 
 from inference_engine.errors import RuntimeServiceError
-from inference_engine.shard.errors import (
+from inference_engine.shard.protocol.errors import (
     DeadlineExpired,
     FlowControlViolation,
     MalformedShardOutput,
@@ -21,9 +21,9 @@ from inference_engine.shard.errors import (
     ShardUnavailable,
     error_for,
 )
-from inference_engine.shard.status_codes import error_of_rpc, error_of_status
-from inference_engine.shard.types import ShardCapabilities
-from inference_engine.shard.wire import open_frame
+from inference_engine.shard.protocol.status_codes import error_of_rpc, error_of_status
+from inference_engine.shard.protocol.types import ShardCapabilities
+from inference_engine.shard.protocol.wire import open_frame
 from inference_engine.v1 import shard_runtime_pb2 as pb
 from inference_engine.v1 import shard_runtime_pb2_grpc as pb_grpc
 from inference_engine.verifier.kv_cache import CacheGeometry

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from inference_engine.shard.types import ShardCapabilities, ShardHealth, ShardMetrics, ShardOutput, ShardWork
+from inference_engine.shard.protocol.types import ShardCapabilities, ShardHealth, ShardMetrics, ShardOutput, ShardWork
 from inference_engine.verifier.kv_cache import CacheGeometry
 
 

@@ -2,7 +2,7 @@
 
 Each layer range runs as a `shard-worker` subprocess. The first start picks a free port;
 a worker that dies is restarted at the same address, so the route (and its clients'
-channels) stays the same and sessions recover by replay (see remote_executor.py).
+channels) stays the same and sessions recover by replay (see route_backend.py).
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
+
+from inference_engine.readiness import wait_ready_async
 
 log = logging.getLogger(__name__)
 READY_TIMEOUT_S = 300.0  # loading a layer range (and probing) can take a while on a busy machine
@@ -26,7 +28,6 @@ class WorkerFlags:
     host: str  # address the workers bind (the server uses loopback: they are its own children)
     model: str  # packaged model name or mlx-lm folder (the server's)
     block: int  # rows per chunk: the server's probed tile (same machine, same BLAS)
-    max_rollback: int  # the server's rollback room (its max_rollback + 1)
     max_sessions: int  # route sessions per worker
     max_sink: int  # largest sink
     max_window: int  # largest window
@@ -61,23 +62,18 @@ class WorkerSupervisor:
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "inference_engine", "shard-worker", "--layers", self.layer_ranges[i],
             "--host", f.host, "--port", str(port), "--model", f.model, "--block", str(f.block),
-            "--max-rollback", str(f.max_rollback), "--max-sessions", str(f.max_sessions),
+            "--max-sessions", str(f.max_sessions),
             "--max-sink", str(f.max_sink), "--max-window", str(f.max_window),
             "--parent-pid", str(os.getpid()),  # a server killed outright does not leave its workers behind
             stdout=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL,
         )
         self.procs[i] = proc
         try:
-            line = (await asyncio.wait_for(proc.stdout.readline(), READY_TIMEOUT_S)).decode()
-        except asyncio.TimeoutError:
-            line = ""
-        if not line.startswith("listening on "):
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            await proc.wait()
-            raise OSError(f"shard worker {self.layer_ranges[i]} did not start (exit status {proc.returncode})")
-        log.info("shard worker %s (pid %d) listening on %s", self.layer_ranges[i], proc.pid, line.split()[-1])
-        return int(line.split()[-1].rsplit(":", 1)[1])
+            address = await wait_ready_async(proc, READY_TIMEOUT_S)
+        except OSError as exc:
+            raise OSError(f"shard worker {self.layer_ranges[i]} did not start ({exc})") from exc
+        log.info("shard worker %s (pid %d) listening on %s", self.layer_ranges[i], proc.pid, address)
+        return int(address.rsplit(":", 1)[1])
 
     async def _watch(self, i: int) -> None:
         port = int(self.addresses[i].rsplit(":", 1)[1])

@@ -6,13 +6,12 @@ Kept free of MLX imports: the launcher parses flags before it re-executes with O
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from inference_engine.config import default_cache_dir
+from inference_engine.config import DEFAULT_MAX_TILE, default_cache_dir
 from inference_engine.model.packaged import DEFAULT_MODEL
-from inference_engine.shard.fault_config import FaultConfig
-from inference_engine.shard.types import LayerRange
+from inference_engine.shard.protocol.types import LayerRange
 
 
 @dataclass(frozen=True)
@@ -23,16 +22,15 @@ class ShardWorkerConfig:
     host: str = "127.0.0.1"  # address to bind
     port: int = 50061  # 0 picks a free port
     model: str = DEFAULT_MODEL  # packaged model name or mlx-lm folder
-    cache_dir: Path = Path("~/.cache/inference_engine")  # converted-model cache
+    cache_dir: Path = field(default_factory=default_cache_dir)  # converted-model cache
     block: int = 0  # rows per forward chunk; 0 = probe the exact tile at start-up
-    max_tile: int = 16  # largest block size the probe tries
-    max_rollback: int = 8  # deepest trim a session may ask for
+    max_tile: int = DEFAULT_MAX_TILE  # largest block size the probe tries (as the server's)
+    max_rollback: int = 64  # deepest trim a session may ask for (covers any server's --max-rollback + 1 up to 63)
     max_sessions: int = 8  # sessions held at once
     max_sink: int = 64  # largest sink a session may ask for
     max_window: int = 8192  # largest window a session may ask for
     max_credits: int = 8  # most work frames in flight per session
     grace_s: float = 5.0  # drain time for in-flight RPCs at shutdown
-    faults: FaultConfig | None = None  # TEST FIXTURE: injected faults (None = a normal worker)
     parent_pid: int = 0  # shut down when this process is gone (the supervising server); 0 = never
 
 
@@ -53,9 +51,6 @@ def add_worker_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grace", type=float, default=d.grace_s, help="seconds to drain RPCs on SIGTERM")
     parser.add_argument("--parent-pid", type=int, default=d.parent_pid,
                         help="shut down (as on SIGTERM) once this process is gone; the supervising server passes its own")
-    parser.add_argument("--inject-faults", default="", metavar="SPEC",
-                        help="TEST FIXTURE ONLY: "
-                             "delay=S,memory_budget=BYTES,malformed=rows|width|nan|position,crash_after=N")
 
 
 def worker_config_from_args(args: argparse.Namespace) -> ShardWorkerConfig:
@@ -68,8 +63,7 @@ def worker_config_from_args(args: argparse.Namespace) -> ShardWorkerConfig:
         layers=LayerRange.parse(args.layers), host=args.host, port=args.port, model=args.model,
         cache_dir=default_cache_dir(), block=args.block, max_tile=args.max_tile, max_rollback=args.max_rollback,
         max_sessions=args.max_sessions, max_sink=args.max_sink, max_window=args.max_window,
-        max_credits=args.max_credits, grace_s=args.grace,
-        faults=FaultConfig.parse(args.inject_faults) if args.inject_faults else None, parent_pid=args.parent_pid,
+        max_credits=args.max_credits, grace_s=args.grace, parent_pid=args.parent_pid,
     )
     checks = {
         "--port": 0 <= cfg.port <= 65535,

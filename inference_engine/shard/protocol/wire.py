@@ -10,9 +10,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from inference_engine.errors import InvalidRequest, RuntimeServiceError
-from inference_engine.shard.errors import code_of
-from inference_engine.shard.tensor_codec import decode_tensor, encode_tensor, wire_dtype
-from inference_engine.shard.types import (
+from inference_engine.shard.protocol.errors import code_of
+from inference_engine.shard.protocol.tensor_codec import decode_tensor, encode_tensor, wire_dtype
+from inference_engine.shard.protocol.types import (
     LayerRange,
     ShardCapabilities,
     ShardHealth,

@@ -10,13 +10,13 @@ from typing import Any, Callable
 import grpc
 
 from inference_engine.errors import RuntimeServiceError
-from inference_engine.shard.engine import ShardEngine
-from inference_engine.shard.engine_thread import EngineThread
-from inference_engine.shard.errors import ShardUnavailable, code_of
-from inference_engine.shard.route_table import RouteTable
-from inference_engine.shard.session_stream import SessionStream
-from inference_engine.shard.status_codes import grpc_status_of
-from inference_engine.shard.wire import CHANNEL_OPTIONS, capability_msg, check, health_msg
+from inference_engine.shard.protocol.errors import ShardUnavailable, code_of
+from inference_engine.shard.protocol.status_codes import grpc_status_of
+from inference_engine.shard.protocol.wire import CHANNEL_OPTIONS, capability_msg, check, health_msg
+from inference_engine.shard.worker.engine import ShardEngine
+from inference_engine.shard.worker.engine_thread import EngineThread
+from inference_engine.shard.worker.route_table import RouteTable
+from inference_engine.shard.worker.session_stream import SessionStream
 from inference_engine.v1 import shard_runtime_pb2 as pb
 from inference_engine.v1 import shard_runtime_pb2_grpc as pb_grpc
 

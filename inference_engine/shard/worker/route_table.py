@@ -9,18 +9,31 @@ leaves a tombstone, so opening that session (at that epoch or below) fails close
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from typing import Generic, Protocol, TypeVar
 
 from inference_engine.errors import InvalidRequest
-from inference_engine.shard.errors import EpochStale, WorkCancelled
+from inference_engine.shard.protocol.errors import EpochStale, WorkCancelled
 
-if TYPE_CHECKING:
-    from inference_engine.shard.session_stream import SessionStream
+
+class LiveStream(Protocol):
+    """What the table needs of a session stream (session_stream.SessionStream)."""
+
+    route_session_id: str  # the route session it serves
+    epoch: int  # the route epoch it was opened at
+
+    def fail(self, exc: BaseException, step: int = 0) -> None:
+        """End the stream closed with `exc`."""
+
+    def cancel_item(self, work_id: int) -> bool:
+        """Cancel one work item; whether it was pending or running."""
+
+
+SessionStream = TypeVar("SessionStream", bound=LiveStream)
 
 REMEMBERED_IDS = 65536  # route session ids whose newest epoch / tombstone is remembered
 
 
-class RouteTable:
+class RouteTable(Generic[SessionStream]):
     """Live session streams of one worker, by route session id."""
 
     def __init__(self, remembered: int = REMEMBERED_IDS):

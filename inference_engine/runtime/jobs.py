@@ -1,0 +1,188 @@
+"""The scheduler's jobs: an AppendTokens call and a Generate call on one session.
+
+Both run on the engine thread, one block per iteration, and hand their results to the
+event loop. Neither leaves behind work its client did not see succeed: an append that is
+cancelled or fails is undone whole (`SessionCoordinator.restore`), and a Generate step
+whose tokens were never taken by the stream is retracted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+import mlx.core as mx
+
+from inference_engine.decoding.drafter import Drafter
+from inference_engine.decoding.step import StepPlan, StepResult, finish_step, plan_step
+from inference_engine.errors import EngineUnavailable
+from inference_engine.runtime.scheduler import Job
+from inference_engine.runtime.types import AppendResult, GenerateParams, StopReason
+from inference_engine.session.coordinator import Checkpoint
+from inference_engine.session.session import Session
+from inference_engine.verifier.executor import Block
+
+
+class AppendCancelled(Exception):
+    """An append was cancelled before it completed; the session is as before it."""
+
+
+class AppendJob(Job):
+    """Feeds an AppendTokens call's tokens in chunks; resolves `future` with the result."""
+
+    def __init__(self, session: Session, tokens: list[int], loop: asyncio.AbstractEventLoop):
+        super().__init__(session)
+        self.tokens = tokens
+        self.fed = 0  # tokens committed so far
+        self.future: asyncio.Future[AppendResult] = loop.create_future()
+        self._loop = loop
+        self._block: Block | None = None
+        self.mark: Checkpoint | None = None  # where the session stood before the call (taken at the first plan)
+
+    def plan(self, budget: int) -> Block | None:
+        if self.session.is_closed:  # closed while appending: undo it (the close reports the history without it)
+            self.is_cancelled = True
+            return None
+        coord = self.session.coordinator
+        if self.mark is None:
+            coord.ensure_ready()
+            self.mark = coord.checkpoint(len(self.tokens))
+        chunk = self.tokens[self.fed : self.fed + budget]
+        self._block = coord.begin(chunk, all_logits=False)
+        return self._block
+
+    def update(self, result: object) -> None:
+        coord, block = self.session.coordinator, self._block
+        coord.end(result)  # raises the block's error: abort undoes the call
+        coord.accept(list(block.tokens), len(block.tokens))
+        self.fed += len(block.tokens)
+        if self.fed == len(self.tokens):
+            mx.eval(coord.verifier.next_token_logits)  # the call succeeds only once computed
+            self.is_done = True
+            self._settle(AppendResult(len(coord.log), coord.verifier.next_global_position), None)
+
+    def abort(self, exc: BaseException | None) -> None:
+        if self.mark is not None:
+            self.session.coordinator.restore(self.mark)
+        self.is_done = True
+        self._settle(None, exc or AppendCancelled("the append was cancelled; nothing was appended"))
+
+    def _settle(self, result: AppendResult | None, exc: BaseException | None) -> None:
+        self._loop.call_soon_threadsafe(_resolve, self.future, result, exc)
+
+
+@dataclass(frozen=True)
+class GenerateEnd:
+    """The last item of a Generate job's stream."""
+
+    stop_reason: StopReason  # why it ended
+    history_length: int  # tokens in the log at the end
+    drafted: int  # drafts verified in this call
+    accepted: int  # drafts accepted in this call
+
+
+class GenerateJob(Job):
+    """Decodes a Generate call's steps; hands each to the stream through `out`.
+
+    A step's tokens are committed when its block is forwarded and count as sent once the
+    stream takes them (`hand`). The next step is planned only after that, so at most one
+    step (at most K + 1 tokens, the rollback room) is ever unsent; it is retracted if the
+    stream goes away, and a describe never sees it (the job is not quiescent meanwhile).
+    """
+
+    is_decoder = True
+
+    def __init__(self, session: Session, params: GenerateParams, drafter: Drafter | None, stop_ids: frozenset[int],
+                 loop: asyncio.AbstractEventLoop, is_stopping: Callable[[], bool], wake: Callable[[], None]):
+        super().__init__(session)
+        self.params = params
+        self.drafter = drafter
+        self.stop_ids = stop_ids
+        self.out: asyncio.Queue[StepResult | GenerateEnd | BaseException] = asyncio.Queue()
+        self.finished: asyncio.Future[None] = loop.create_future()
+        self._loop = loop
+        self._is_stopping = is_stopping  # the session was closed or the server is shutting down
+        self._wake = wake
+        self._lock = threading.Lock()
+        self._unhanded: StepResult | None = None  # pushed to `out`, not yet taken by the stream
+        self._plan: StepPlan | None = None
+        self._block: Block | None = None
+        self.produced = self.drafted = self.accepted = 0
+        self.stop: StopReason | None = None
+
+    @property
+    def is_quiescent(self) -> bool:
+        return self.is_done or (self._unhanded is None and self._block is None)
+
+    def hand(self, step: StepResult) -> bool:
+        """The stream takes `step` (loop thread): it counts as sent. False if it was retracted."""
+        with self._lock:
+            if self._unhanded is not step:
+                return False
+            self._unhanded = None
+        self._wake()
+        return True
+
+    def plan(self, budget: int) -> Block | None:
+        if self._unhanded is not None:
+            return None  # the stream has not taken the last step yet
+        if self.stop is None and self._is_stopping():
+            self.stop = StopReason.CANCELLED
+        if self.stop is not None:
+            self._end()
+            return None
+        remaining = self.params.max_new_tokens - self.produced
+        k = min(self.params.num_draft_tokens, budget - 1)
+        self._plan = plan_step(self.session, self.drafter if k > 0 else None, k, remaining, self.stop_ids)
+        self._block = self.session.coordinator.begin(list(self._plan.block), all_logits=self._plan.drafted > 0)
+        return self._block
+
+    def update(self, result: object) -> None:
+        coord = self.session.coordinator
+        self._block = None
+        step = finish_step(self.session, self._plan, coord.end(result), self.stop_ids)
+        self.produced += len(step.tokens)
+        self.drafted, self.accepted = self.drafted + step.drafted, self.accepted + step.accepted
+        if self.stop_ids.intersection(step.tokens):
+            self.stop = StopReason.EOS
+        elif self.produced >= self.params.max_new_tokens:
+            self.stop = StopReason.MAX_TOKENS
+        with self._lock:
+            self._unhanded = step
+        self._loop.call_soon_threadsafe(self.out.put_nowait, step)
+
+    def abort(self, exc: BaseException | None) -> None:
+        with self._lock:
+            unsent, self._unhanded = self._unhanded, None
+        if self._block is not None:  # planned but never forwarded (the iteration was cut short)
+            self.session.coordinator.end(None)
+            self._block = None
+        if unsent is not None:  # its tokens never reached the stream
+            self.session.coordinator.retract(len(unsent.tokens), unsent.prior_logits)
+        self.is_done = True
+        if exc is not None and not isinstance(exc, EngineUnavailable):
+            self._loop.call_soon_threadsafe(self.out.put_nowait, exc)
+        elif exc is not None:  # shutting down: end the stream properly
+            self.stop = StopReason.CANCELLED
+            self._push_end()
+        self._loop.call_soon_threadsafe(_resolve, self.finished, None, None)
+
+    def _end(self) -> None:
+        self.is_done = True
+        self._push_end()
+        self._loop.call_soon_threadsafe(_resolve, self.finished, None, None)
+
+    def _push_end(self) -> None:
+        end = GenerateEnd(self.stop, len(self.session.history), self.drafted, self.accepted)
+        self._loop.call_soon_threadsafe(self.out.put_nowait, end)
+
+
+def _resolve(future: asyncio.Future, result: object, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

@@ -1,0 +1,292 @@
+"""The engine loop: schedule → execute → update, on the one thread that runs MLX.
+
+Each iteration gathers the ready work of every session into one backend forward: the
+next decode step of every streaming Generate, speculative verify blocks, and the next chunk
+of each pending AppendTokens. Within the forward each row attends to its own session's cache,
+and the matmuls are row-invariant, so a session's bits never depend on its companions.
+
+Rows per iteration are bounded (`max_rows`, at most the probed tile); while any Generate is
+streaming, appends get at most `append_rows` of them, so a long append never starves the
+decoders. Generate jobs go first, then appends, each kind in rotating order.
+
+Between iterations the loop runs plain calls (`run`: create a session, describe it, ...).
+A call tied to a session (`run_quiescent`) waits until that session's job is at a clean
+point (a Generate with every step handed to its stream; an append finished), so it never
+sees work no client was sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, TypeVar
+
+import mlx.core as mx
+
+from inference_engine.errors import EngineUnavailable
+from inference_engine.session.session import Session
+from inference_engine.verifier.executor import Backend, Block
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+STATS_EVERY_S = 30.0  # how often the loop logs its batch sizes (when it did any work)
+
+
+class Job(ABC):
+    """One call's work on one session, advanced by the scheduler one block at a time (engine thread)."""
+
+    is_decoder: bool = False  # streams tokens (scheduled first; limits appends' share)
+
+    def __init__(self, session: Session):
+        self.session = session
+        self.is_cancelled = False  # set from any thread; takes effect at the job's next iteration
+        self.is_done = False  # the job has finished (set by the job on the engine thread)
+
+    def cancel(self) -> None:
+        """Stop at the next iteration (thread-safe)."""
+        self.is_cancelled = True
+
+    @abstractmethod
+    def plan(self, budget: int) -> Block | None:
+        """This iteration's block (at most `budget` rows), or None to sit this one out."""
+
+    @abstractmethod
+    def update(self, result: object) -> None:
+        """Take the planned block's result (logits or the exception that stopped it)."""
+
+    @abstractmethod
+    def abort(self, exc: BaseException | None) -> None:
+        """End now: undo what no client saw succeed; `exc` is why (None: cancelled). Sets is_done."""
+
+    @property
+    def is_quiescent(self) -> bool:
+        """Nothing computed for this job is unsent: a describe would show only what clients saw."""
+        return self.is_done
+
+
+@dataclass
+class _Call:
+    """A plain call queued for the engine thread."""
+
+    fn: Callable[..., object]
+    args: tuple[object, ...]
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+    session: Session | None = None  # run only when this session's job is quiescent
+
+
+@dataclass
+class BatchStats:
+    """Rows per iteration since the last report."""
+
+    iterations: int = 0
+    rows: int = 0
+    max_rows: int = 0
+    sessions: int = 0
+    since: float = field(default_factory=time.monotonic)
+
+    def add(self, rows: int, sessions: int) -> None:
+        self.iterations += 1
+        self.rows += rows
+        self.sessions += sessions
+        self.max_rows = max(self.max_rows, rows)
+
+
+class Scheduler:
+    """Owns the engine thread: plain calls and jobs, batched into one forward per iteration."""
+
+    def __init__(self, backend: Callable[[], Backend], max_rows: int, append_rows: int, name: str = "mlx-engine"):
+        """
+        Args:
+            backend: the engine's current backend (read at every iteration).
+            max_rows: most rows in one forward (the probed tile at most).
+            append_rows: most append rows per iteration while a Generate streams.
+        """
+        self._backend = backend
+        self.max_rows = max_rows
+        self.append_rows = max(1, min(append_rows, max_rows))
+        self._calls: deque[_Call] = deque()
+        self._deferred: list[_Call] = []
+        self._new_jobs: deque[Job] = deque()
+        self._jobs: list[Job] = []
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._is_closed = False
+        self.stats = BatchStats()
+        self.on_iteration: Callable[[int, int, float], None] | None = None  # (rows, sessions, seconds): metrics
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    # -- from the event loop --------------------------------------------------------------
+
+    def submit(self, fn: Callable[..., T], *args: object, session: Session | None = None) -> asyncio.Future[T]:
+        """Queue `fn(*args)` for the engine thread; its future resolves on the running loop.
+
+        Args:
+            session: run only once this session's job (if any) is quiescent.
+        Raises:
+            EngineUnavailable: the scheduler is closed.
+        """
+        loop = asyncio.get_running_loop()
+        call = _Call(fn, args, loop.create_future(), loop, session)
+        with self._lock:
+            if self._is_closed:
+                raise EngineUnavailable("the engine is shutting down; retry against a live server")
+            self._calls.append(call)
+        self._wake.set()
+        return call.future
+
+    async def run(self, fn: Callable[..., T], *args: object, session: Session | None = None) -> T:
+        """Run `fn(*args)` on the engine thread and return its result.
+
+        If the awaiting task is cancelled, the call still completes before the cancellation
+        propagates, so state it mutates is never left half-updated.
+        """
+        fut = self.submit(fn, *args, session=session)
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            await asyncio.wait([fut])
+            raise
+
+    def start(self, job: Job) -> None:
+        """Add a job; it is planned from the next iteration on.
+
+        Raises:
+            EngineUnavailable: the scheduler is closed.
+        """
+        with self._lock:
+            if self._is_closed:
+                raise EngineUnavailable("the engine is shutting down; retry against a live server")
+            self._new_jobs.append(job)
+        self._wake.set()
+
+    def wake(self) -> None:
+        """Something a job waits for happened (e.g. a stream took its tokens)."""
+        self._wake.set()
+
+    def close(self) -> None:
+        """Refuse new work, abort running jobs, finish queued calls, stop the thread (blocking)."""
+        with self._lock:
+            self._is_closed = True
+        self._wake.set()
+        self._thread.join()
+
+    # -- the engine thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            with self._lock:
+                calls, self._calls = list(self._calls), deque()
+                self._jobs.extend(self._new_jobs)
+                self._new_jobs.clear()
+                closing = self._is_closed
+            self._deferred.extend(calls)
+            if closing:
+                for job in self._jobs:
+                    self._finish(job, EngineUnavailable("the engine is shutting down"))
+                self._jobs = []
+            self._run_ready_calls(closing)
+            if closing and not self._deferred:
+                mx.synchronize()  # nothing of this thread's may still run in MLX when it ends (mlx#3126)
+                return
+            if self._iterate():
+                self._wake.set()  # there may be more to do: go round again without sleeping
+
+    def _run_ready_calls(self, closing: bool) -> None:
+        busy = {id(j.session): j for j in self._jobs}
+        waiting = []
+        for call in self._deferred:
+            job = busy.get(id(call.session)) if call.session is not None else None
+            if job is not None and not job.is_quiescent and not closing:
+                waiting.append(call)
+                continue
+            try:
+                result, error = call.fn(*call.args), None
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                result, error = None, exc
+            call.loop.call_soon_threadsafe(_resolve, call.future, result, error)
+        self._deferred = waiting
+
+    def _iterate(self) -> bool:
+        """One schedule → execute → update pass; whether any job advanced."""
+        for job in list(self._jobs):
+            if job.is_cancelled and not job.is_done:
+                self._finish(job, None)
+        self._jobs = [j for j in self._jobs if not j.is_done]
+        if not self._jobs:
+            return False
+        planned: list[tuple[Job, Block]] = []
+        rows, append_left = 0, self.max_rows
+        decoders = [j for j in self._jobs if j.is_decoder]
+        if decoders:
+            append_left = self.append_rows
+        for job in decoders + [j for j in self._jobs if not j.is_decoder]:
+            budget = self.max_rows - rows if job.is_decoder else min(self.max_rows - rows, append_left)
+            if budget <= 0:
+                continue
+            try:
+                block = job.plan(budget)
+            except BaseException as exc:  # noqa: BLE001 - one session's failure stays its own
+                self._finish(job, exc)
+                continue
+            if block is None:
+                continue
+            planned.append((job, block))
+            rows += len(block.tokens)
+            if not job.is_decoder:
+                append_left -= len(block.tokens)
+        self._rotate()
+        if not planned:
+            return any(j.is_done for j in self._jobs)
+        started = time.perf_counter()
+        results = self._backend().forward([b for _, b in planned], wait=False)
+        for (job, _), result in zip(planned, results):
+            try:
+                job.update(result)
+            except BaseException as exc:  # noqa: BLE001 - one session's failure stays its own
+                self._finish(job, exc)
+        self._account(rows, len(planned), time.perf_counter() - started)
+        return True
+
+    def _finish(self, job: Job, exc: BaseException | None) -> None:
+        try:
+            job.abort(exc)
+        except BaseException:  # noqa: BLE001 - the job must end whatever happens
+            log.exception("aborting a job of session %s failed", job.session.tag)
+        job.is_done = True
+
+    def _rotate(self) -> None:
+        """Move the first job of each kind to the back (fair turns when the budget is short)."""
+        for kind in (True, False):
+            first = next((j for j in self._jobs if j.is_decoder == kind), None)
+            if first is not None:
+                self._jobs.remove(first)
+                self._jobs.append(first)
+
+    def _account(self, rows: int, sessions: int, seconds: float) -> None:
+        self.stats.add(rows, sessions)
+        if self.on_iteration is not None:
+            self.on_iteration(rows, sessions, seconds)
+        now = time.monotonic()
+        if now - self.stats.since >= STATS_EVERY_S:
+            s = self.stats
+            log.info("engine loop: %d iterations in %.0fs, %.1f rows and %.1f sessions per iteration (max %d rows)",
+                     s.iterations, now - s.since, s.rows / s.iterations, s.sessions / s.iterations, s.max_rows)
+            self.stats = BatchStats()
+
+
+def _resolve(future: asyncio.Future, result: object, error: BaseException | None) -> None:
+    if future.cancelled():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

@@ -1,0 +1,173 @@
+"""RouteBackend: the target's layers on a route of shard workers, one RemoteExecutor per session.
+
+Blocks of a batch run concurrently on the route's own loop (one pipeline call per session;
+the engine thread waits for all of them together). A route session is replayed from the
+session's token log when the route fails: when a call fails (a worker died, a stream
+broke), the executor waits for the route to answer again, opens the session at a newer
+route epoch, replays the log up to its position (exact: chunking does not change the
+bits) and retries the call once, so the caller sees a delay, never a wrong token. If the
+route stays silent past `recovery_timeout_s` the call fails with `ShardUnavailable`
+(UNAVAILABLE) and the next call tries again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import Awaitable, Callable, Sequence, TypeVar
+
+import mlx.core as mx
+import numpy as np
+
+from inference_engine.errors import InvalidRequest, PoolExhausted, RuntimeServiceError
+from inference_engine.model.loader import ModelSpec
+from inference_engine.shard.client.route import ShardRoute
+from inference_engine.shard.protocol.errors import ShardUnavailable
+from inference_engine.verifier.executor import Backend, Block, Executor
+from inference_engine.verifier.kv_cache import CacheGeometry
+from inference_engine.verifier.token_log import TokenLog
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+REPLAY_CHUNK = 1024  # tokens per replay frame (keeps activation messages small)
+
+
+class RouteBackend(Backend):
+    """Sessions' K/V on every worker of a route; blocks forwarded through the route."""
+
+    def __init__(self, route: ShardRoute, spec: ModelSpec, max_block: int):
+        """
+        Args:
+            route: connected, and checked to serve this model at `max_block` (`check_serves`).
+            spec: the model's shape facts (what a session's slab costs, as in one process).
+            max_block: the server's probed tile: every worker chunks at it, so the bits are one process's.
+        """
+        self.route = route
+        self.spec = spec
+        self.max_block = max_block
+
+    def open(self, geometry: CacheGeometry, log: TokenLog) -> Executor:
+        return RemoteExecutor(self, geometry, log)
+
+    def forward(self, blocks: Sequence[Block], wait: bool = True) -> list[mx.array | BaseException]:
+        async def all_blocks() -> list[object]:
+            return await asyncio.gather(*(b.executor.forward_async(b.tokens, b.all_logits) for b in blocks),
+                                        return_exceptions=True)
+
+        return [r if isinstance(r, BaseException) else mx.array(r) for r in self.route.call(all_blocks)]
+
+
+class RemoteExecutor(Executor):
+    """One session's K/V on every worker of a route; exact replay from the log after any route failure."""
+
+    def __init__(self, backend: RouteBackend, geometry: CacheGeometry, log: TokenLog):
+        """Open the session on the route (waiting up to `recovery_timeout_s` for it).
+
+        Raises:
+            ShardUnavailable: the route did not answer in time.
+            InvalidRequest, PoolExhausted: the workers refused the geometry or have no room.
+        """
+        self.backend = backend
+        self.route = backend.route
+        self.geometry = geometry
+        self.log = log  # the session's log: positions 0..offset are replayed from it
+        self.session_id = f"rx-{uuid.uuid4().hex}"  # a fresh route session per executor (rebuilds too)
+        self._offset = 0  # positions computed on the workers, including a pending block
+        self._epoch = 0  # route epoch the session is open at (0: not open)
+        self._needs_replay = True  # the workers' K/V does not match the log up to `_offset`
+        self._is_closed = False
+        self.route.call(lambda: self._reopen(0))
+
+    @property
+    def offset(self) -> int:
+        return self._offset
+
+    async def forward_async(self, tokens: tuple[int, ...], all_logits: bool) -> np.ndarray:
+        """The block through the route (on the route's loop), recovering once after a failure."""
+        p, start = self.route.pipeline, self._offset
+        logits = await self._recovering(lambda: p.forward(self.session_id, tokens, all_logits=all_logits), start)
+        self._offset = start + len(tokens)
+        return logits
+
+    def trim(self, n: int) -> None:
+        if n == 0:
+            return
+        # Recorded first: if the workers cannot trim now, the next call replays the log.
+        self._offset -= n
+        if self._needs_replay:
+            return
+        try:
+            p = self.route.pipeline
+            self.route.call(lambda: p.trim(self.session_id, n))
+        except RuntimeServiceError as exc:
+            log.warning("route session %s: trim failed (%s); it will be replayed", self.session_id, exc)
+            self._needs_replay = True
+
+    def layer_digests(self) -> list[bytes]:
+        p = self.route.pipeline
+        return self.route.call(lambda: self._recovering(lambda: p.layer_digests(self.session_id), self._offset))
+
+    @property
+    def nbytes(self) -> int:
+        s = self.backend.spec
+        return self.geometry.slab_bytes(s.num_layers, s.num_kv_heads, s.head_dim)
+
+    def close(self) -> None:
+        if self._is_closed:
+            return
+        self._is_closed = True
+        p, sid = self.route.pipeline, self.session_id
+        self.route.call_later(lambda: p.release(sid))
+
+    # -- recovery --------------------------------------------------------------------
+
+    async def _recovering(self, make: Callable[[], Awaitable[T]], position: int) -> T:
+        """A route call on a usable session at `position`; after a failure, restore once and retry."""
+        if self._needs_replay:
+            await self._reopen(position)
+        try:
+            return await make()
+        except InvalidRequest:
+            raise  # refused before sending (bad tokens): the session is intact
+        except RuntimeServiceError as exc:
+            self._needs_replay = True
+            log.warning("route session %s failed (%s: %s); restoring it", self.session_id, type(exc).__name__, exc)
+        await self._reopen(position)
+        try:
+            return await make()
+        except RuntimeServiceError:
+            self._needs_replay = True
+            raise
+
+    async def _reopen(self, position: int) -> None:
+        """Open the session at a newer epoch and replay the log's first `position` tokens (waits for the route)."""
+        r, p, g = self.route, self.route.pipeline, self.geometry
+        deadline = time.monotonic() + r.recovery_timeout_s
+        while True:
+            try:
+                if self._epoch:  # supersede the broken incarnation on every worker
+                    if p.epoch <= self._epoch:
+                        p.advance_epoch()
+                    await p.connect()  # re-check the route (a restarted worker must run the same layers)
+                await p.open(self.session_id, g.sink, g.window, max_block=g.max_block, max_rollback=g.max_rollback)
+                self._epoch = p.epoch
+                tokens = self.log[:position]
+                for i in range(0, len(tokens), REPLAY_CHUNK):
+                    await p.forward(self.session_id, tokens[i : i + REPLAY_CHUNK], all_logits=False)
+                if tokens:
+                    log.info("route session %s restored at epoch %d (%d tokens replayed)", self.session_id,
+                             self._epoch, len(tokens))
+                self._needs_replay = False
+                return
+            except (InvalidRequest, PoolExhausted):
+                raise  # the workers refuse this session: waiting will not help
+            except RuntimeServiceError as exc:
+                if time.monotonic() >= deadline or r.is_closed:
+                    raise ShardUnavailable(
+                        f"the shard route {','.join(p.addresses)} is not answering ({type(exc).__name__}: {exc}); "
+                        "the session is kept and is replayed when every worker is back: retry shortly"
+                    ) from exc
+                self._epoch = self._epoch or p.epoch  # a failed first open still needs a newer epoch
+                await asyncio.sleep(r.retry_interval_s)

@@ -1,0 +1,128 @@
+"""The tree reads in one direction: no import cycles, and packages import only lower layers.
+
+Every `from inference_engine... import` counts, wherever it is written (module level, inside
+a function, under TYPE_CHECKING): a lazy import still ties the two modules together.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "inference_engine"
+
+# Lower layers first. A module may import its own package and any package of a lower rank.
+RANKS = {
+    "errors": 0, "v1": 0, "process_exit": 0, "readiness": 0,
+    "model": 1,
+    "config": 2,
+    "blas": 3,
+    "verifier": 4,
+    "session": 5, "shard.protocol": 5,
+    "decoding": 6,
+    "runtime": 7, "shard": 7, "shard.worker": 7, "shard.client": 7,
+    "server": 8, "client": 8,
+    "__main__": 9,
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_module(name: str) -> bool:
+    path = PACKAGE.parent.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")[1:]
+    if not parts:
+        return "<package>"
+    return ".".join(parts[:2]) if parts[0] == "shard" and len(parts) >= 2 else parts[0]
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the inference_engine modules it imports (generated stubs left out)."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if "v1" in path.relative_to(PACKAGE).parts:
+            continue
+        name = _module_name(path)
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("inference_engine"):
+                for cand in [node.module] + [f"{node.module}.{a.name}" for a in node.names]:
+                    if _is_module(cand) and cand not in (name, "inference_engine"):
+                        targets.add(cand)
+            elif isinstance(node, ast.Import):
+                targets |= {a.name for a in node.names if a.name.startswith("inference_engine") and _is_module(a.name)}
+        graph[name] = {t for t in targets if "inference_engine.v1" not in t}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycles():
+    assert cycles(import_graph()) == []
+
+
+def test_cycle_finder_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_packages_import_only_lower_layers():
+    wrong = []
+    for module, targets in import_graph().items():
+        here = _layer(module)
+        assert here in RANKS or here == "<package>", f"{module}: package {here!r} has no rank in this test"
+        for target in targets:
+            there = _layer(target)
+            if there != here and RANKS.get(there, 99) >= RANKS.get(here, -1):
+                wrong.append(f"{module} -> {target}")
+    assert wrong == []
+
+
+def test_runtime_knows_nothing_of_shards():
+    graph = import_graph()
+    assert [f"{m} -> {t}" for m, ts in graph.items() if _layer(m) == "runtime" for t in ts if ".shard" in t] == []
+
+
+def test_no_file_over_about_400_lines():
+    long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py") if "v1" not in p.parts
+            and (n := len(p.read_text().splitlines())) > 430}
+    assert long == {}
