@@ -17,6 +17,7 @@ import mlx.core as mx
 
 from inference_engine.errors import InvariantViolation
 from inference_engine.runtime.session import Session
+from inference_engine.short_id import short_id
 from inference_engine.verifier.sink_window_verifier import SinkWindowVerifier
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ class AppendTokensCoordinator:
                 v.forward_block(tokens, all_logits=False)
                 v.commit_or_truncate(forwarded=len(tokens), accepted=len(tokens))
         except Exception:
-            log.exception("compute failed in session %s; rebuilding its cache from history", s.session_id)
+            log.exception("compute failed in session %s; rebuilding its cache from history", short_id(s.session_id))
             self.rebuild()
             raise
         s.history.extend(tokens)

@@ -20,7 +20,9 @@ from inference_engine.runtime.coordinator import AppendTokensCoordinator
 from inference_engine.runtime.engine import Engine
 from inference_engine.runtime.session import Session
 from inference_engine.runtime.session_store import SessionStore
+from inference_engine.short_id import short_id
 from inference_engine.runtime.types import (
+    ANONYMOUS,
     AppendParams,
     AppendResult,
     CreateSessionParams,
@@ -85,9 +87,10 @@ class Runtime:
         window = p.window or self.config.default_window
         verifier = await self.engine.run(self.engine.make_verifier, sink, window)
         eos = p.eos_token_ids or self.engine.spec.eos_token_ids
-        session = Session(self.store.new_id(), verifier, sink, window, tuple(eos), p.client_label)
+        session = Session(self.store.new_id(), verifier, sink, window, tuple(eos), p.client_label, owner=p.owner)
         self.store.add(session)
-        log.info("session %s created (sink %d, window %d, label %r)", session.session_id, sink, window, p.client_label)
+        log.info("session %s created by %s (sink %d, window %d, label %r)", short_id(session.session_id),
+                 short_id(p.owner), sink, window, p.client_label)
         return SessionCreated(session.session_id, sink, window)
 
     async def append_tokens(self, p: AppendParams) -> AppendResult:
@@ -96,7 +99,7 @@ class Runtime:
         Raises:
             SessionNotFound, SessionBusy, InvariantViolation.
         """
-        session = self.store.get(p.session_id)
+        session = self.store.get(p.session_id, p.owner)
         session.acquire("AppendTokens")
         try:
             await self.engine.run(self._coordinator(session).append, list(p.tokens))
@@ -126,7 +129,7 @@ class Runtime:
             SessionNotFound, SessionBusy, InvariantViolation (no tokens appended yet, or
             a draft-model mode on a server without a draft model).
         """
-        session = self.store.get(p.session_id)
+        session = self.store.get(p.session_id, p.owner)
         if p.mode is DecodeMode.SPECULATIVE_DRAFT and not self.engine.has_draft_model:
             raise InvariantViolation(
                 "SPECULATIVE_DRAFT needs a draft model and this server has none (start it with --draft-model); "
@@ -182,23 +185,23 @@ class Runtime:
         state.unsent = decode_step(coord, self._drafter(coord.session, mode), k, remaining, stop_ids)
         return state.unsent
 
-    async def close_session(self, session_id: str) -> int:
-        """Close a session; returns its history length.
+    async def close_session(self, session_id: str, owner: str = ANONYMOUS) -> int:
+        """Close `owner`'s session; returns its history length.
 
         Raises:
-            SessionNotFound: unknown or already closed.
+            SessionNotFound: unknown, already closed or another identity's.
         """
-        session = self.store.close(session_id)
-        log.info("session %s closed", session_id)
+        session = self.store.close(session_id, owner)
+        log.info("session %s closed", short_id(session_id))
         return len(session.history)
 
-    async def session_info(self, session_id: str) -> SessionInfo:
-        """Describe a session (digest computed on the engine thread).
+    async def session_info(self, session_id: str, owner: str = ANONYMOUS) -> SessionInfo:
+        """Describe `owner`'s session (digest computed on the engine thread).
 
         Raises:
-            SessionNotFound.
+            SessionNotFound: unknown, closed, expired or another identity's.
         """
-        s = self.store.get(session_id)
+        s = self.store.get(session_id, owner)
         s.touch()
 
         def describe() -> SessionInfo:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from inference_engine.errors import SessionBusy
+from inference_engine.runtime.types import ANONYMOUS
 from inference_engine.verifier.sink_window_verifier import SinkWindowVerifier
 
 
@@ -27,6 +28,7 @@ class Session:
     is_closed: bool = False  # closed or expired; no new RPCs
     is_busy: bool = False  # an AppendTokens/Generate holds it
     drafters: dict[Any, Any] = field(default_factory=dict)  # DecodeMode -> Drafter, built on first use
+    owner: str = ANONYMOUS  # identity that created it; no other identity can see it
 
     def touch(self) -> None:
         """Record use now (TTL restarts)."""

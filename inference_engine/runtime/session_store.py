@@ -8,6 +8,8 @@ import time
 
 from inference_engine.errors import PoolExhausted, SessionNotFound
 from inference_engine.runtime.session import Session
+from inference_engine.runtime.types import ANONYMOUS
+from inference_engine.short_id import short_id
 
 log = logging.getLogger(__name__)
 
@@ -48,25 +50,28 @@ class SessionStore:
         self.reserve()
         self._sessions[session.session_id] = session
 
-    def get(self, session_id: str) -> Session:
-        """The open session with this id.
+    def get(self, session_id: str, owner: str = ANONYMOUS) -> Session:
+        """The open session with this id, if `owner` owns it.
+
+        Another identity's session is reported exactly as a missing one, so a session
+        id reveals nothing to anyone but its owner.
 
         Raises:
-            SessionNotFound: unknown, closed or expired.
+            SessionNotFound: unknown, closed, expired or owned by another identity.
         """
         self.expire_idle()
         session = self._sessions.get(session_id)
-        if session is None:
+        if session is None or session.owner != owner:
             raise SessionNotFound(f"session {session_id!r} does not exist (never created, closed, or expired)")
         return session
 
-    def close(self, session_id: str) -> Session:
-        """Close a session; its slab frees when its running call (if any) ends.
+    def close(self, session_id: str, owner: str = ANONYMOUS) -> Session:
+        """Close `owner`'s session; its slab frees when its running call (if any) ends.
 
         Raises:
-            SessionNotFound: unknown or already closed.
+            SessionNotFound: unknown, already closed or owned by another identity.
         """
-        session = self.get(session_id)
+        session = self.get(session_id, owner)
         self._remove(session)
         return session
 
@@ -87,7 +92,7 @@ class SessionStore:
         cutoff = time.monotonic() - self.ttl_s
         expired = [s for s in self._sessions.values() if not s.is_busy and s.last_used_mono < cutoff]
         for session in expired:
-            log.info("session %s expired after %.0fs idle", session.session_id, self.ttl_s)
+            log.info("session %s expired after %.0fs idle", short_id(session.session_id), self.ttl_s)
             self._remove(session)
         return [s.session_id for s in expired]
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+ANONYMOUS = "anonymous"  # the identity of every client when authentication is off
+
+
 
 class StopReason(enum.Enum):
     """Why a Generate call ended."""
@@ -30,6 +33,7 @@ class CreateSessionParams:
     client_label: str  # echoed back
     sink: int  # 0 = server default
     window: int  # 0 = server default
+    owner: str = ANONYMOUS  # identity the session will belong to
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,7 @@ class AppendParams:
 
     session_id: str  # target session
     tokens: tuple[int, ...]  # non-empty, each < vocab size
+    owner: str = ANONYMOUS  # caller's identity (must own the session)
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,7 @@ class GenerateParams:
     ignore_eos: bool  # keep going past EOS tokens
     mode: DecodeMode = DecodeMode.GREEDY  # decoding strategy
     num_draft_tokens: int = 4  # K, drafts per step (speculative modes)
+    owner: str = ANONYMOUS  # caller's identity (must own the session)
 
 
 @dataclass(frozen=True)
