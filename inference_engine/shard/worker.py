@@ -46,7 +46,8 @@ async def serve_worker(cfg: ShardWorkerConfig) -> None:
 
     log.info("BLAS in use: %s", active_blas())
     engine = build_engine(cfg)
-    server, port, servicer = await start_shard_server(engine, cfg.host, cfg.port, max_credits=cfg.max_credits)
+    server, port, servicer = await start_shard_server(engine, cfg.host, cfg.port, max_credits=cfg.max_credits,
+                                                      security=cfg.security)
     try:
         print(f"listening on {cfg.host}:{port}", flush=True)
         await wait_for_stop_signal(cfg.parent_pid)

@@ -6,11 +6,13 @@ Kept free of MLX imports: the launcher parses flags before it re-executes with O
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from inference_engine.config import default_cache_dir
 from inference_engine.model.packaged import DEFAULT_MODEL
+from inference_engine.security.flags import add_server_security_flags, check_exposure, server_security_from_args
+from inference_engine.security.settings import ServerSecurity
 from inference_engine.shard.fault_config import FaultConfig
 from inference_engine.shard.types import LayerRange
 
@@ -34,6 +36,7 @@ class ShardWorkerConfig:
     grace_s: float = 5.0  # drain time for in-flight RPCs at shutdown
     faults: FaultConfig | None = None  # TEST FIXTURE: injected faults (None = a normal worker)
     parent_pid: int = 0  # shut down when this process is gone (the supervising server); 0 = never
+    security: ServerSecurity = field(default_factory=ServerSecurity)  # TLS, mTLS, bearer tokens of the port
 
 
 def add_worker_flags(parser: argparse.ArgumentParser) -> None:
@@ -56,13 +59,15 @@ def add_worker_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--inject-faults", default="", metavar="SPEC",
                         help="TEST FIXTURE ONLY: "
                              "delay=S,memory_budget=BYTES,malformed=rows|width|nan|position,crash_after=N")
+    add_server_security_flags(parser)
 
 
 def worker_config_from_args(args: argparse.Namespace) -> ShardWorkerConfig:
     """Build the ShardWorkerConfig from parsed flags (and the cache-dir environment variable).
 
     Raises:
-        ValueError: a flag is malformed or out of range.
+        ValueError: a flag is malformed or out of range, security flags are incomplete, or a
+            non-loopback --host lacks TLS and authentication without --insecure-public.
     """
     cfg = ShardWorkerConfig(
         layers=LayerRange.parse(args.layers), host=args.host, port=args.port, model=args.model,
@@ -70,6 +75,7 @@ def worker_config_from_args(args: argparse.Namespace) -> ShardWorkerConfig:
         max_sessions=args.max_sessions, max_sink=args.max_sink, max_window=args.max_window,
         max_credits=args.max_credits, grace_s=args.grace,
         faults=FaultConfig.parse(args.inject_faults) if args.inject_faults else None, parent_pid=args.parent_pid,
+        security=server_security_from_args(args),
     )
     checks = {
         "--port": 0 <= cfg.port <= 65535,
@@ -86,4 +92,5 @@ def worker_config_from_args(args: argparse.Namespace) -> ShardWorkerConfig:
     bad = [flag for flag, ok in checks.items() if not ok]
     if bad:
         raise ValueError(f"out-of-range flags: {', '.join(bad)}")
+    check_exposure(cfg.host, cfg.security)
     return cfg
