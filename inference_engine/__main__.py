@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = config_from_args(args)
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:
         parser.error(str(exc))
     try:
         asyncio.run(serve(cfg))

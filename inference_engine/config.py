@@ -8,6 +8,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from inference_engine.model.packaged import DEFAULT_MODEL, DRAFT_MODEL
+from inference_engine.security.flags import (
+    add_client_security_flags,
+    add_server_security_flags,
+    check_exposure,
+    client_security_from_args,
+    server_security_from_args,
+)
+from inference_engine.security.settings import ClientSecurity, ServerSecurity
 
 
 def default_cache_dir() -> Path:
@@ -41,6 +49,8 @@ class ServerConfig:
     shards: tuple[str, ...] = ()  # host:port of running shard workers, head first (() = layers run here)
     spawn_shards: tuple[str, ...] = ()  # layer ranges START:END of workers this server spawns and restarts
     shard_recovery_timeout_s: float = 60.0  # how long a call waits for a silent shard route before UNAVAILABLE
+    security: ServerSecurity = field(default_factory=ServerSecurity)  # TLS, mTLS, bearer tokens of the RuntimeService port
+    shard_security: ClientSecurity = field(default_factory=ClientSecurity)  # what this server presents to --shards workers
 
 
 def add_server_flags(parser: argparse.ArgumentParser) -> None:
@@ -73,6 +83,8 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
                         help="spawn and supervise one shard worker per layer range (restarted if it dies)")
     parser.add_argument("--shard-recovery-timeout", type=float, default=d.shard_recovery_timeout_s,
                         help="seconds a call waits for a silent shard route before failing UNAVAILABLE")
+    add_server_security_flags(parser)
+    add_client_security_flags(parser, "shard-", "the --shards workers")
 
 
 def _draft_choice(flag: str | None, model: str) -> str | None:
@@ -89,7 +101,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     """Build the ServerConfig from parsed flags (and the cache-dir environment variable).
 
     Raises:
-        ValueError: a flag is out of range.
+        ValueError: a flag is out of range, security flags are incomplete, or a non-loopback
+            --host lacks TLS and authentication without --insecure-public.
+        OSError: the --shard-token-file cannot be read.
     """
     cfg = ServerConfig(
         host=args.host, port=args.port, model=args.model, cache_dir=default_cache_dir(),
@@ -100,6 +114,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         session_ttl_s=args.session_ttl, exact=not args.no_exact, max_tile=args.max_tile, grace_s=args.grace,
         shards=_split(args.shards), spawn_shards=_split(args.spawn_shards),
         shard_recovery_timeout_s=args.shard_recovery_timeout,
+        security=server_security_from_args(args), shard_security=client_security_from_args(args, "shard-"),
     )
     checks = {
         "--max-sessions": cfg.max_sessions >= 1,
@@ -116,4 +131,5 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     bad = [flag for flag, ok in checks.items() if not ok]
     if bad:
         raise ValueError(f"out-of-range flags: {', '.join(bad)}")
+    check_exposure(cfg.host, cfg.security)
     return cfg

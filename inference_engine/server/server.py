@@ -1,4 +1,7 @@
-"""The server process: load the model, probe the tile, serve RuntimeService, drain on SIGTERM.
+"""The server process: bind, load the model, probe the tile, serve RuntimeService, drain on SIGTERM.
+
+The port is bound first (TLS, tokens and the exposure rule are checked before the slow
+part) and answers health checks with NOT_SERVING while the model loads on a helper thread.
 
 With `--shards` (running workers) or `--spawn-shards` (workers this process supervises)
 the target's layers run on a shard route. The block size is always this process's probed
@@ -23,11 +26,10 @@ from inference_engine.model.packaged import resolve_model_path
 from inference_engine.process_exit import wait_for_stop_signal
 from inference_engine.runtime.engine import Engine
 from inference_engine.runtime.runtime import Runtime
-from inference_engine.server.servicer import RuntimeServicer
+from inference_engine.server.frontend import Frontend, open_frontend, start_frontend
 from inference_engine.shard.pipeline import ShardPipeline
 from inference_engine.shard.remote_executor import ShardRoute
 from inference_engine.shard.supervisor import WorkerFlags, WorkerSupervisor
-from inference_engine.v1 import runtime_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +78,8 @@ async def connect_shards(cfg: ServerConfig, engine: Engine) -> tuple[ShardPipeli
         addresses = await supervisor.start()
     if not addresses:
         return None, None
-    pipeline = ShardPipeline(addresses)
+    # Spawned workers are this process's loopback children; --shards workers get the --shard-tls-*/token flags.
+    pipeline = ShardPipeline(addresses, channel_security=None if cfg.spawn_shards else cfg.shard_security)
     try:
         await pipeline.connect()
         engine.use_route(ShardRoute(pipeline, asyncio.get_running_loop(), cfg.shard_recovery_timeout_s))
@@ -92,29 +95,35 @@ async def connect_shards(cfg: ServerConfig, engine: Engine) -> tuple[ShardPipeli
 
 
 async def start_server(runtime: Runtime, host: str, port: int) -> tuple[grpc.aio.Server, int]:
-    """Start a grpc.aio server for `runtime`; returns it and the bound port."""
-    server = grpc.aio.server()
-    pb_grpc.add_RuntimeServiceServicer_to_server(RuntimeServicer(runtime), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"could not bind {host}:{port}")
-    await server.start()
-    runtime.start()
-    return server, bound
+    """Start a grpc.aio server for `runtime` (security from `runtime.config`); returns it and the bound port."""
+    frontend = await start_frontend(runtime, host, port)
+    return frontend.server, frontend.port
 
 
 async def serve(cfg: ServerConfig) -> None:
     """Serve until SIGTERM/SIGINT, then drain in-flight RPCs for `grace_s` and exit."""
-    log.info("BLAS in use: %s (1024x1024 fp32 matmul %.1f ms)", active_blas(), matmul_ms())
-    engine = build_engine(cfg)
-    pipeline, supervisor = await connect_shards(cfg, engine)
+    frontend = await open_frontend(cfg, cfg.host, cfg.port)
     try:
+        log.info("bound %s:%d (%s); health NOT_SERVING until the model is loaded", cfg.host, frontend.port,
+                 cfg.security.describe())
+        log.info("BLAS in use: %s (1024x1024 fp32 matmul %.1f ms)", active_blas(), await asyncio.to_thread(matmul_ms))
+        engine = await asyncio.to_thread(build_engine, cfg)  # the loop keeps answering health checks meanwhile
+        await _serve_engine(cfg, engine, frontend)
+    finally:
+        await frontend.server.stop(None)  # already stopped unless start-up failed
+    log.info("stopped")
+
+
+async def _serve_engine(cfg: ServerConfig, engine: Engine, frontend: Frontend) -> None:
+    pipeline = supervisor = None
+    try:
+        pipeline, supervisor = await connect_shards(cfg, engine)
         runtime = Runtime(engine, cfg)
-        server, port = await start_server(runtime, cfg.host, cfg.port)
-        print(f"listening on {cfg.host}:{port}", flush=True)
+        await frontend.attach(runtime)
+        print(f"listening on {cfg.host}:{frontend.port}", flush=True)
         await wait_for_stop_signal()
-        log.info("shutting down: draining in-flight RPCs for up to %.1fs", cfg.grace_s)
-        await server.stop(cfg.grace_s)
+        log.info("shutting down: NOT_SERVING, draining in-flight RPCs for up to %.1fs", cfg.grace_s)
+        await frontend.drain(cfg.grace_s)
         await runtime.stop()
     finally:
         if engine.route is not None:
@@ -124,4 +133,3 @@ async def serve(cfg: ServerConfig) -> None:
             await pipeline.close()
         if supervisor is not None:
             await supervisor.stop()
-    log.info("stopped")
