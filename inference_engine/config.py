@@ -51,6 +51,8 @@ class ServerConfig:
     shard_recovery_timeout_s: float = 60.0  # how long a call waits for a silent shard route before UNAVAILABLE
     security: ServerSecurity = field(default_factory=ServerSecurity)  # TLS, mTLS, bearer tokens of the RuntimeService port
     shard_security: ClientSecurity = field(default_factory=ClientSecurity)  # what this server presents to --shards workers
+    metrics_host: str = "127.0.0.1"  # address of the Prometheus endpoint
+    metrics_port: int = 0  # Prometheus endpoint port; 0 = no endpoint
 
 
 def add_server_flags(parser: argparse.ArgumentParser) -> None:
@@ -85,6 +87,9 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
                         help="seconds a call waits for a silent shard route before failing UNAVAILABLE")
     add_server_security_flags(parser)
     add_client_security_flags(parser, "shard-", "the --shards workers")
+    parser.add_argument("--metrics-port", type=int, default=d.metrics_port,
+                        help="serve Prometheus metrics at http://METRICS_HOST:PORT/metrics (0 = off)")
+    parser.add_argument("--metrics-host", default=d.metrics_host, help="address of the metrics endpoint")
 
 
 def _draft_choice(flag: str | None, model: str) -> str | None:
@@ -115,6 +120,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         shards=_split(args.shards), spawn_shards=_split(args.spawn_shards),
         shard_recovery_timeout_s=args.shard_recovery_timeout,
         security=server_security_from_args(args), shard_security=client_security_from_args(args, "shard-"),
+        metrics_host=args.metrics_host, metrics_port=args.metrics_port,
     )
     checks = {
         "--max-sessions": cfg.max_sessions >= 1,
@@ -127,6 +133,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         "--shards": all(a.rpartition(":")[0] and a.rpartition(":")[2].isdigit() for a in cfg.shards),
         "--spawn-shards": all(r.count(":") == 1 and r.replace(":", "").isdigit() for r in cfg.spawn_shards),
         "--shard-recovery-timeout": cfg.shard_recovery_timeout_s > 0,
+        "--metrics-port": 0 <= cfg.metrics_port <= 65535,
     }
     bad = [flag for flag, ok in checks.items() if not ok]
     if bad:

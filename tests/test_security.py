@@ -23,15 +23,16 @@ def test_security_flags(tmp_path, caplog):
     tokens = token_file(tmp_path, TOKEN_A)
     cfg = config_mod.config_from_args(parser.parse_args(
         ["--host", "0.0.0.0", "--tls-cert", "c.pem", "--tls-key", "k.pem", "--auth-token-file", str(tokens),
-         "--shard-tls-ca", "ca.pem", "--shard-token-file", str(tokens)]))
+         "--shard-tls-ca", "ca.pem", "--shard-token-file", str(tokens), "--metrics-port", "9100"]))
     assert cfg.security.is_tls and cfg.security.has_tokens and not cfg.security.is_mtls
     assert cfg.shard_security.is_tls and cfg.shard_security.token == TOKEN_A and TOKEN_A not in repr(cfg)
+    assert cfg.metrics_port == 9100 and cfg.metrics_host == "127.0.0.1"
     assert cfg.security.describe() == "TLS, bearer tokens"
     assert ServerSecurity(tls_cert=tokens, tls_key=tokens, tls_client_ca=tokens).describe() == "mTLS, client certificates"
     for argv, fragment in ((["--tls-cert", "c.pem"], "go together"), (["--tls-client-ca", "ca.pem"], "needs --tls-cert"),
                            (["--shard-tls-cert", "c.pem"], "go together"),
                            (["--shard-tls-cert", "c", "--shard-tls-key", "k"], "needs --shard-tls-ca"),
-                           (["--host", "0.0.0.0"], "not a loopback address")):
+                           (["--host", "0.0.0.0"], "not a loopback address"), (["--metrics-port", "-1"], "--metrics-port")):
         with pytest.raises(ValueError, match=fragment):
             config_mod.config_from_args(parser.parse_args(argv))
     caplog.clear()

@@ -2,8 +2,8 @@
 
 It starts before the model is loaded (health NOT_SERVING, RuntimeService UNAVAILABLE),
 serves once a runtime is attached, and reports NOT_SERVING again while draining.
-Interceptors, outermost first: the bearer-token check, the decode guard (undecodable
-bytes -> INVALID_ARGUMENT).
+Interceptors, outermost first: the RPC observer (log line, metrics), the bearer-token
+check, the decode guard (undecodable bytes -> INVALID_ARGUMENT).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from inference_engine import metrics
 from inference_engine.config import ServerConfig
 from inference_engine.errors import Unauthenticated
 from inference_engine.runtime.runtime import Runtime
@@ -24,6 +25,7 @@ from inference_engine.security.credentials import bind
 from inference_engine.server.decode_guard import DecodeGuard
 from inference_engine.server.error_details import abort_with
 from inference_engine.server.health import RUNTIME_SERVICE, HealthReporter
+from inference_engine.server.rpc_observer import RpcObserver
 from inference_engine.server.servicer import RuntimeServicer
 from inference_engine.v1 import runtime_pb2_grpc as pb_grpc
 
@@ -45,7 +47,10 @@ class Frontend:
     health: HealthReporter  # grpc.health.v1 statuses
 
     async def attach(self, runtime: Runtime) -> None:
-        """Serve `runtime` from now on: start its sweeper, report SERVING."""
+        """Serve `runtime` from now on: start its sweeper, point the pool gauges at it, report SERVING."""
+        store = runtime.store
+        metrics.track_pool(lambda: store.slabs_in_use, store.max_sessions,
+                           lambda: sum(s.verifier.nbytes for s in store.all()))
         self.servicer.attach(runtime)
         runtime.start()
         await self.health.set_serving(True)
@@ -64,7 +69,7 @@ async def open_frontend(cfg: ServerConfig, host: str, port: int) -> Frontend:
         ValueError: the token file is malformed.
     """
     authenticator = Authenticator.from_security(cfg.security)
-    interceptors: list[grpc.aio.ServerInterceptor] = []
+    interceptors: list[grpc.aio.ServerInterceptor] = [RpcObserver()]
     if authenticator.tokens is not None:
         interceptors.append(BearerAuthInterceptor(authenticator, reject=_reject))
     interceptors.append(DecodeGuard())

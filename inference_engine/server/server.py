@@ -27,6 +27,7 @@ from inference_engine.process_exit import wait_for_stop_signal
 from inference_engine.runtime.engine import Engine
 from inference_engine.runtime.runtime import Runtime
 from inference_engine.server.frontend import Frontend, open_frontend, start_frontend
+from inference_engine.server.metrics_http import MetricsEndpoint
 from inference_engine.shard.pipeline import ShardPipeline
 from inference_engine.shard.remote_executor import ShardRoute
 from inference_engine.shard.supervisor import WorkerFlags, WorkerSupervisor
@@ -103,14 +104,20 @@ async def start_server(runtime: Runtime, host: str, port: int) -> tuple[grpc.aio
 async def serve(cfg: ServerConfig) -> None:
     """Serve until SIGTERM/SIGINT, then drain in-flight RPCs for `grace_s` and exit."""
     frontend = await open_frontend(cfg, cfg.host, cfg.port)
+    endpoint = None
     try:
         log.info("bound %s:%d (%s); health NOT_SERVING until the model is loaded", cfg.host, frontend.port,
                  cfg.security.describe())
+        if cfg.metrics_port:
+            endpoint = MetricsEndpoint(cfg.metrics_host, cfg.metrics_port)
+            log.info("metrics on http://%s:%d/metrics", endpoint.host, endpoint.port)
         log.info("BLAS in use: %s (1024x1024 fp32 matmul %.1f ms)", active_blas(), await asyncio.to_thread(matmul_ms))
         engine = await asyncio.to_thread(build_engine, cfg)  # the loop keeps answering health checks meanwhile
         await _serve_engine(cfg, engine, frontend)
     finally:
         await frontend.server.stop(None)  # already stopped unless start-up failed
+        if endpoint is not None:
+            endpoint.close()
     log.info("stopped")
 
 

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from typing import Any, Callable
 
 import grpc
 
+from inference_engine import metrics
 from inference_engine.errors import EngineUnavailable, RuntimeServiceError
 from inference_engine.runtime.runtime import Runtime
 from inference_engine.runtime.types import (
@@ -22,6 +24,7 @@ from inference_engine.runtime.types import (
     GenerateChunk,
     GenerateParams,
 )
+from inference_engine.server import call_record
 from inference_engine.server.error_details import abort_with
 from inference_engine.server.validation import Validator
 from inference_engine.v1 import runtime_pb2 as pb
@@ -40,7 +43,9 @@ def _mapped(method: Callable) -> Callable:
         try:
             if self.runtime is None:
                 raise EngineUnavailable("the server is starting (the model is still loading); retry shortly")
-            return await method(self, request, context, self.identify(context))
+            owner = self.identify(context)
+            call_record.current().identity = owner
+            return await method(self, request, context, owner)
         except RuntimeServiceError as exc:
             await abort_with(context, exc)
         except Exception as exc:  # noqa: BLE001 - the INTERNAL catch-all, logged
@@ -80,21 +85,28 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
             owner=owner,
         )
         created = await self.runtime.create_session(params)
+        call_record.current().session_id = created.session_id
         return pb.CreateSessionResponse(session_id=created.session_id, sink_tokens=created.sink, window_tokens=created.window)
 
     @_mapped
     async def AppendTokens(self, request: pb.AppendTokensRequest, context: grpc.aio.ServicerContext,
                            owner: str) -> pb.AppendTokensResponse:
+        record = call_record.current()
+        record.session_id = request.session_id
         params = AppendParams(
             session_id=self.validate.session_id(request.session_id),
             tokens=self.validate.items("AppendTokensRequest.tokens", list(request.tokens)),
             owner=owner,
         )
         result = await self.runtime.append_tokens(params)
+        record.tokens_in = len(params.tokens)
+        metrics.TOKENS_APPENDED.inc(len(params.tokens))
         return pb.AppendTokensResponse(history_length=result.history_length, next_global_position=result.next_global_position)
 
     @_mapped
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, owner: str) -> None:
+        record = call_record.current()
+        record.session_id = request.session_id
         params = GenerateParams(
             session_id=self.validate.session_id(request.session_id),
             max_new_tokens=self.validate.value("GenerateRequest.max_new_tokens", request.max_new_tokens),
@@ -104,8 +116,19 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
             or DEFAULT_DRAFT_TOKENS,
             owner=owner,
         )
+        record.tokens_out = 0
+        last = time.perf_counter()  # call start, then the previous step's hand-off
 
         async def emit(chunk: GenerateChunk) -> None:
+            nonlocal last
+            if chunk.tokens:
+                now = time.perf_counter()
+                (metrics.DECODE_STEP_SECONDS if record.tokens_out else metrics.TIME_TO_FIRST_TOKEN).observe(now - last)
+                last = now
+                record.tokens_out += len(chunk.tokens)
+                metrics.TOKENS_GENERATED.inc(len(chunk.tokens))
+            if chunk.stop_reason:
+                record.stop_reason = chunk.stop_reason.name
             await context.write(
                 pb.GenerateResponse(
                     tokens=chunk.tokens,
@@ -121,12 +144,14 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
     @_mapped
     async def CloseSession(self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext,
                            owner: str) -> pb.CloseSessionResponse:
+        call_record.current().session_id = request.session_id
         n = await self.runtime.close_session(self.validate.session_id(request.session_id), owner)
         return pb.CloseSessionResponse(history_length=n)
 
     @_mapped
     async def GetSessionInfo(self, request: pb.GetSessionInfoRequest, context: grpc.aio.ServicerContext,
                              owner: str) -> pb.GetSessionInfoResponse:
+        call_record.current().session_id = request.session_id
         i = await self.runtime.session_info(self.validate.session_id(request.session_id), owner)
         return pb.GetSessionInfoResponse(
             session_id=i.session_id, history_length=i.history_length, next_global_position=i.next_global_position,
