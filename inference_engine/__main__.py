@@ -17,14 +17,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m inference_engine")
     sub = parser.add_subparsers(dest="command", required=True)
     from inference_engine.config import add_server_flags, config_from_args, default_cache_dir
+    from inference_engine.log_setup import add_logging_flags, configure_logging
     from inference_engine.shard.worker.config import add_worker_flags
 
-    add_server_flags(sub.add_parser("serve", help="serve RuntimeService over gRPC"))
-    add_worker_flags(sub.add_parser("shard-worker", help="serve one layer range over ShardRuntime (gRPC)"))
-    sub.add_parser("prepare-model", help="convert the packaged model once (fp32 and q4) and exit")
+    commands = {
+        "serve": sub.add_parser("serve", help="serve RuntimeService over gRPC"),
+        "shard-worker": sub.add_parser("shard-worker", help="serve one layer range over ShardRuntime (gRPC)"),
+        "prepare-model": sub.add_parser("prepare-model", help="convert the packaged model once (fp32 and q4) and exit"),
+    }
+    add_server_flags(commands["serve"])
+    add_worker_flags(commands["shard-worker"])
+    for command in commands.values():
+        add_logging_flags(command)
     args = parser.parse_args(argv)
     reexec_with_openblas(["-m", "inference_engine", *argv])
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    configure_logging(args.log_level, args.log_format)
     if args.command == "prepare-model":
         from inference_engine.model.packaged import ensure_packaged_model
 
@@ -39,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = config_from_args(args)
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:
         parser.error(str(exc))
     try:
         asyncio.run(serve(cfg))

@@ -8,6 +8,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from inference_engine.model.packaged import DEFAULT_MODEL, DRAFT_MODEL
+from inference_engine.security.flags import (
+    add_client_security_flags,
+    add_server_security_flags,
+    check_exposure,
+    client_security_from_args,
+    server_security_from_args,
+)
+from inference_engine.security.settings import ClientSecurity, ServerSecurity
 
 DEFAULT_MAX_TILE = 16  # largest block size the start-up probe tries (server and shard workers alike)
 
@@ -45,6 +53,10 @@ class ServerConfig:
     shards: tuple[str, ...] = ()  # host:port of running shard workers, head first (() = layers run here)
     spawn_shards: tuple[str, ...] = ()  # layer ranges START:END of workers this server spawns and restarts
     shard_recovery_timeout_s: float = 60.0  # how long a call waits for a silent shard route before UNAVAILABLE
+    security: ServerSecurity = field(default_factory=ServerSecurity)  # TLS, mTLS, bearer tokens of the RuntimeService port
+    shard_security: ClientSecurity = field(default_factory=ClientSecurity)  # what this server presents to --shards workers
+    metrics_host: str = "127.0.0.1"  # address of the Prometheus endpoint
+    metrics_port: int = 0  # Prometheus endpoint port; 0 = no endpoint
 
 
 def add_server_flags(parser: argparse.ArgumentParser) -> None:
@@ -81,6 +93,11 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
                         help="spawn and supervise one shard worker per layer range (restarted if it dies)")
     parser.add_argument("--shard-recovery-timeout", type=float, default=d.shard_recovery_timeout_s,
                         help="seconds a call waits for a silent shard route before failing UNAVAILABLE")
+    add_server_security_flags(parser)
+    add_client_security_flags(parser, "shard-", "the --shards workers")
+    parser.add_argument("--metrics-port", type=int, default=d.metrics_port,
+                        help="serve Prometheus metrics at http://METRICS_HOST:PORT/metrics (0 = off)")
+    parser.add_argument("--metrics-host", default=d.metrics_host, help="address of the metrics endpoint")
 
 
 def _draft_choice(flag: str | None, model: str) -> str | None:
@@ -97,7 +114,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     """Build the ServerConfig from parsed flags (and the cache-dir environment variable).
 
     Raises:
-        ValueError: a flag is out of range.
+        ValueError: a flag is out of range, security flags are incomplete, or a non-loopback
+            --host lacks TLS and authentication without --insecure-public.
+        OSError: the --shard-token-file cannot be read.
     """
     cfg = ServerConfig(
         host=args.host, port=args.port, model=args.model, cache_dir=default_cache_dir(),
@@ -109,6 +128,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_batch_rows=args.max_batch_rows, append_rows=args.append_rows,
         shards=_split(args.shards), spawn_shards=_split(args.spawn_shards),
         shard_recovery_timeout_s=args.shard_recovery_timeout,
+        security=server_security_from_args(args), shard_security=client_security_from_args(args, "shard-"),
+        metrics_host=args.metrics_host, metrics_port=args.metrics_port,
     )
     checks = {
         "--max-sessions": cfg.max_sessions >= 1,
@@ -123,8 +144,10 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         "--shards": all(a.rpartition(":")[0] and a.rpartition(":")[2].isdigit() for a in cfg.shards),
         "--spawn-shards": all(r.count(":") == 1 and r.replace(":", "").isdigit() for r in cfg.spawn_shards),
         "--shard-recovery-timeout": cfg.shard_recovery_timeout_s > 0,
+        "--metrics-port": 0 <= cfg.metrics_port <= 65535,
     }
     bad = [flag for flag, ok in checks.items() if not ok]
     if bad:
         raise ValueError(f"out-of-range flags: {', '.join(bad)}")
+    check_exposure(cfg.host, cfg.security)
     return cfg

@@ -10,6 +10,23 @@ class RuntimeServiceError(Exception):
 class InvalidRequest(RuntimeServiceError):
     """A request field is out of bounds (INVALID_ARGUMENT)."""
 
+    def __init__(self, message: str, field: str = ""):
+        """
+        Args:
+            message: what was wrong and what is allowed.
+            field: path of the offending request field (`tokens[3]`), "" when not one field.
+        """
+        super().__init__(message)
+        self.field = field
+
+
+class MalformedRequest(InvalidRequest):
+    """The request bytes do not decode as the method's message (INVALID_ARGUMENT)."""
+
+
+class Unauthenticated(RuntimeServiceError):
+    """No bearer token, or one the server does not know (UNAUTHENTICATED)."""
+
 
 class SessionNotFound(RuntimeServiceError):
     """Unknown, expired or closed session (NOT_FOUND)."""

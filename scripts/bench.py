@@ -43,6 +43,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo (inference_engine)
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ (benchkit)
 
+from benchkit.concurrency import measure_concurrency  # noqa: E402
 from benchkit.core import (  # noqa: E402
     FULL,
     QUICK,
@@ -54,7 +55,6 @@ from benchkit.core import (  # noqa: E402
     memory_bandwidth,
     run_interleaved,
 )
-from benchkit.concurrency import measure_concurrency  # noqa: E402
 from benchkit.engines import (  # noqa: E402
     measure_append_latency,
     measure_pipeline,

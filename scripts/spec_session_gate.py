@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from inference_engine.blas import reexec_with_openblas  # noqa: E402
 from inference_engine.client.spec_gates import MODES, PROMPT_TEXT, run_gates  # noqa: E402
 
+
 async def _main(args: argparse.Namespace) -> int:
     import grpc
 

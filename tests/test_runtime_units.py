@@ -108,6 +108,20 @@ def test_store_pool_busy_and_ttl(engine):
         store.get(s.session_id)
 
 
+def test_store_checks_the_owner(engine):
+    """Another identity's session is reported exactly as a missing one."""
+    store = SessionStore(max_sessions=2, ttl_s=60)
+    s = Session(store.new_id(), engine.open_session(2, 8), 2, 8, (1,), "t", owner="token:a")
+    store.add(s)
+    assert store.get(s.session_id, "token:a") is s
+    with pytest.raises(SessionNotFound) as other:
+        store.close(s.session_id, "token:b")
+    with pytest.raises(SessionNotFound) as missing:
+        store.get("nope", "token:a")
+    assert str(other.value).replace(s.session_id, "ID") == str(missing.value).replace("nope", "ID")
+    assert store.close(s.session_id, "token:a") is s
+
+
 def test_engine_refuses_exact_when_probe_fails(tiny, monkeypatch, caplog):
     monkeypatch.setattr(
         "inference_engine.runtime.engine.probe_tile",

@@ -15,11 +15,11 @@ from inference_engine.shard.client.route_backend import RemoteExecutor, RouteBac
 from inference_engine.shard.protocol.errors import ShardUnavailable
 from inference_engine.shard.protocol.types import LayerRange
 from inference_engine.shard.worker.mlx_engine import MlxShardEngine
+from inference_engine.v1 import runtime_pb2 as pb
 from inference_engine.verifier.sink_window_verifier import SinkWindowVerifier
+from tests.conftest import running_server
 from tests.fixtures.fault_config import FaultConfig
 from tests.fixtures.fault_injection import FaultInjectingEngine
-from inference_engine.v1 import runtime_pb2 as pb
-from tests.conftest import running_server
 from tests.shard_helpers import shard_server
 
 TOKENS = np.random.default_rng(3).integers(0, 256, 60).tolist()

@@ -7,10 +7,15 @@ Produces an fp32 folder (weights dequantized exactly, in fp32) and a quantized f
 from __future__ import annotations
 
 import json
+import logging
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
+
+log = logging.getLogger(__name__)
+PROGRESS_EVERY = 50  # tensors between progress lines (a 135M model has ~270)
 
 # GGUF tensor names (per block) -> mlx-lm / HF llama names.
 _BLOCK_NAMES = {
@@ -119,6 +124,8 @@ def convert_gguf(gguf_path: Path, fp32_dir: Path, quant_dir: Path | None = None)
     import gguf
     import mlx.core as mx
 
+    start = time.monotonic()
+    log.info("converting %s (first use; this takes a minute): reading the GGUF", gguf_path.name)
     raw, meta = mx.load(str(gguf_path), return_metadata=True)
     config = _model_config(meta)
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
@@ -128,12 +135,16 @@ def convert_gguf(gguf_path: Path, fp32_dir: Path, quant_dir: Path | None = None)
 
     # fp32: dequantize every tensor in fp32 with gguf-py (mlx's dequantize rounds via fp16).
     fp32: dict[str, mx.array] = {}
-    for t in gguf.GGUFReader(str(gguf_path)).tensors:
+    tensors = gguf.GGUFReader(str(gguf_path)).tensors
+    for i, t in enumerate(tensors, 1):
         w = np.asarray(gguf.dequantize(t.data, t.tensor_type), dtype=np.float32)
         n = permute_for(t.name)
         if n is not None:
             w = _unpermute_rows(w, n)
         fp32[_hf_name(t.name)] = mx.array(w)
+        if i % PROGRESS_EVERY == 0 or i == len(tensors):
+            log.info("fp32: dequantized %d/%d tensors (%.0f s)", i, len(tensors), time.monotonic() - start)
+    log.info("fp32: writing %s", fp32_dir)
     _write_folder(fp32_dir, fp32, config, meta)
 
     if quant_dir is not None:
@@ -149,7 +160,9 @@ def convert_gguf(gguf_path: Path, fp32_dir: Path, quant_dir: Path | None = None)
                 bits = 32 * raw[base + ".weight"].shape[1] // (arr.shape[1] * 32)
                 if bits != 4:
                     qconfig[_hf_name(base)] = {"group_size": 32, "bits": bits}
+        log.info("q4: writing %s (%d tensors kept in 4-bit groups)", quant_dir, len(quant))
         _write_folder(quant_dir, quant, {**config, "quantization": qconfig}, meta)
+    log.info("conversion done in %.0f s", time.monotonic() - start)
 
 
 def _write_folder(out: Path, weights: dict, config: dict, meta: dict) -> None:

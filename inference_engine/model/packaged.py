@@ -9,6 +9,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import importlib.util
+import logging
 from pathlib import Path
 
 from inference_engine.model.gguf_convert import MARKER, convert_gguf
@@ -18,6 +19,7 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 DEFAULT_MODEL = "packaged:smollm2-135m"
 DRAFT_MODEL = "packaged:smollm2-135m-q4"
+log = logging.getLogger(__name__)
 
 
 class PackagedModelMissing(RuntimeError):
@@ -66,9 +68,15 @@ def ensure_packaged_model(cache_dir: Path, quantized: bool = False) -> Path:
         return target
     root.mkdir(parents=True, exist_ok=True)
     with (root / ".lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # several processes may start at once
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # several processes may start at once
+            log.info("another process is converting %s into %s; waiting for it", PACKAGE, root)
+            fcntl.flock(lock, fcntl.LOCK_EX)
         if not (target / MARKER).is_file():
+            log.info("first use of %s: converting it into %s", PACKAGE, root)
             gguf = packaged_gguf_path()
+            log.info("checking the SHA-256 of %s", gguf)
             digest = _sha256(gguf)
             if digest != GGUF_SHA256:
                 raise PackagedModelMissing(f"{gguf} has SHA-256 {digest}, expected {GGUF_SHA256}")

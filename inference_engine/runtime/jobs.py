@@ -126,10 +126,11 @@ class GenerateJob(Job):
         return True
 
     def plan(self, budget: int) -> Block | None:
+        if self.stop is None and self._is_stopping():  # closed or shutting down: end now, even mid-hand-off
+            self.stop = StopReason.CANCELLED
+            self._retract_unhanded()
         if self._unhanded is not None:
             return None  # the stream has not taken the last step yet
-        if self.stop is None and self._is_stopping():
-            self.stop = StopReason.CANCELLED
         if self.stop is not None:
             self._end()
             return None
@@ -153,14 +154,18 @@ class GenerateJob(Job):
             self._unhanded = step
         self._loop.call_soon_threadsafe(self.out.put_nowait, step)
 
-    def abort(self, exc: BaseException | None) -> None:
+    def _retract_unhanded(self) -> None:
+        """Take back the step the stream has not taken (it will never be sent)."""
         with self._lock:
             unsent, self._unhanded = self._unhanded, None
+        if unsent is not None:
+            self.session.coordinator.retract(len(unsent.tokens), unsent.prior_logits)
+
+    def abort(self, exc: BaseException | None) -> None:
         if self._block is not None:  # planned but never forwarded (the iteration was cut short)
             self.session.coordinator.end(None)
             self._block = None
-        if unsent is not None:  # its tokens never reached the stream
-            self.session.coordinator.retract(len(unsent.tokens), unsent.prior_logits)
+        self._retract_unhanded()
         self.is_done = True
         if exc is not None and not isinstance(exc, EngineUnavailable):
             self._loop.call_soon_threadsafe(self.out.put_nowait, exc)

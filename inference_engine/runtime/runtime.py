@@ -20,6 +20,7 @@ from inference_engine.errors import InvariantViolation, SessionNotFound
 from inference_engine.runtime.engine import Engine
 from inference_engine.runtime.jobs import AppendCancelled, AppendJob, GenerateEnd, GenerateJob
 from inference_engine.runtime.types import (
+    ANONYMOUS,
     AppendParams,
     AppendResult,
     CreateSessionParams,
@@ -29,8 +30,9 @@ from inference_engine.runtime.types import (
     SessionCreated,
     SessionInfo,
 )
-from inference_engine.session.session import Session, short_id
+from inference_engine.session.session import Session
 from inference_engine.session.session_store import SessionStore
+from inference_engine.short_id import short_id
 
 log = logging.getLogger(__name__)
 Emit = Callable[[GenerateChunk], Awaitable[None]]
@@ -88,13 +90,14 @@ class Runtime:
         session_id = self.store.new_id()
         coordinator = await self.engine.run(self.engine.open_session, sink, window, short_id(session_id))
         eos = p.eos_token_ids or self.engine.spec.eos_token_ids
-        session = Session(session_id, coordinator, sink, window, tuple(eos), p.client_label)
+        session = Session(session_id, coordinator, sink, window, tuple(eos), p.client_label, owner=p.owner)
         try:
             self.store.add(session)
         except BaseException:
             session.free()
             raise
-        log.info("session %s… created (sink %d, window %d, label %r)", session.tag, sink, window, p.client_label)
+        log.info("session %s created by %s (sink %d, window %d, label %r)", session.tag, short_id(p.owner), sink,
+                 window, p.client_label)
         return SessionCreated(session.session_id, sink, window)
 
     async def append_tokens(self, p: AppendParams) -> AppendResult:
@@ -107,7 +110,7 @@ class Runtime:
             SessionNotFound: unknown, or closed before the append completed (nothing appended).
             SessionBusy, InvariantViolation.
         """
-        session = self.store.get(p.session_id)
+        session = self.store.get(p.session_id, p.owner)
         session.acquire("AppendTokens")
         job = AppendJob(session, list(p.tokens), asyncio.get_running_loop())
         try:
@@ -145,7 +148,7 @@ class Runtime:
             SessionNotFound, SessionBusy, InvariantViolation (no tokens appended yet, or
             a draft-model mode on a server without a draft model).
         """
-        session = self.store.get(p.session_id)
+        session = self.store.get(p.session_id, p.owner)
         if p.mode is DecodeMode.SPECULATIVE_DRAFT and not self.engine.has_draft_model:
             raise InvariantViolation(
                 "SPECULATIVE_DRAFT needs a draft model and this server has none (start it with --draft-model); "
@@ -182,24 +185,24 @@ class Runtime:
             if job.hand(item):  # from here on it counts as sent
                 await emit(GenerateChunk(item.tokens))
 
-    async def close_session(self, session_id: str) -> int:
-        """Close a session; returns its final history length (after its running call ends).
+    async def close_session(self, session_id: str, owner: str = ANONYMOUS) -> int:
+        """Close `owner`'s session; returns its final history length (after its running call ends).
 
         Raises:
-            SessionNotFound: unknown or already closed.
+            SessionNotFound: unknown, already closed or another identity's.
         """
-        session = self.store.close(session_id)
-        log.info("session %s… closed", session.tag)
+        session = self.store.close(session_id, owner)
+        log.info("session %s closed", session.tag)
         self.engine.scheduler.wake()  # a running call ends at its next step
         return await self.engine.run(lambda: len(session.history), session=session)
 
-    async def session_info(self, session_id: str) -> SessionInfo:
-        """Describe a session as its clients have seen it (waits for a running call's clean point).
+    async def session_info(self, session_id: str, owner: str = ANONYMOUS) -> SessionInfo:
+        """Describe `owner`'s session as its clients have seen it (waits for a running call's clean point).
 
         Raises:
-            SessionNotFound.
+            SessionNotFound: unknown, closed, expired or another identity's.
         """
-        s = self.store.get(session_id)
+        s = self.store.get(session_id, owner)
         s.touch()
 
         def describe() -> SessionInfo:
@@ -210,7 +213,7 @@ class Runtime:
                 next_global_position=v.next_global_position, cached_tokens=len(v.cached_token_sequence),
                 sink=s.sink, window=s.window, eos_token_ids=s.eos_token_ids, client_label=s.client_label,
                 created_ns=s.created_ns, last_used_ns=s.last_used_ns, state_digest=digest,
-                is_exact=self.engine.is_exact, kv_bytes=v.nbytes,
+                is_exact=self.engine.is_exact, kv_bytes=s.kv_bytes,
             )
 
         return await self.engine.run(describe, session=s)

@@ -220,9 +220,11 @@ class Scheduler:
         for job in list(self._jobs):
             if job.is_cancelled and not job.is_done:
                 self._finish(job, None)
-        self._jobs = [j for j in self._jobs if not j.is_done]
+        running = [j for j in self._jobs if not j.is_done]
+        ended = len(running) < len(self._jobs)  # calls waiting for those sessions may run now
+        self._jobs = running
         if not self._jobs:
-            return False
+            return ended
         planned: list[tuple[Job, Block]] = []
         rows, append_left = 0, self.max_rows
         decoders = [j for j in self._jobs if j.is_decoder]
@@ -245,7 +247,7 @@ class Scheduler:
                 append_left -= len(block.tokens)
         self._rotate()
         if not planned:
-            return any(j.is_done for j in self._jobs)
+            return ended or any(j.is_done for j in self._jobs)
         started = time.perf_counter()
         results = self._backend().forward([b for _, b in planned], wait=False)
         for (job, _), result in zip(planned, results):

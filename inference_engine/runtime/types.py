@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from inference_engine.security.settings import ANONYMOUS
 
 DEFAULT_DRAFT_TOKENS = 4  # K when a request asks for 0
 
@@ -33,6 +34,7 @@ class CreateSessionParams:
     client_label: str  # echoed back
     sink: int  # 0 = server default
     window: int  # 0 = server default
+    owner: str = ANONYMOUS  # identity the session will belong to
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,7 @@ class AppendParams:
 
     session_id: str  # target session
     tokens: tuple[int, ...]  # non-empty, each < vocab size
+    owner: str = ANONYMOUS  # caller's identity (must own the session)
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,7 @@ class GenerateParams:
     ignore_eos: bool  # keep going past EOS tokens
     mode: DecodeMode = DecodeMode.GREEDY  # decoding strategy
     num_draft_tokens: int = DEFAULT_DRAFT_TOKENS  # K, drafts per step (speculative modes)
+    owner: str = ANONYMOUS  # caller's identity (must own the session)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,7 @@
-"""The server process: load the model, probe the tile, serve RuntimeService, drain on SIGTERM.
+"""The server process: bind, load the model, probe the tile, serve RuntimeService, drain on SIGTERM.
+
+The port is bound first (TLS, tokens and the exposure rule are checked before the slow
+part) and answers health checks with NOT_SERVING while the model loads on a helper thread.
 
 With `--shards` (running workers) or `--spawn-shards` (workers this process supervises)
 the target's layers run on a shard route: the server builds the engine's backend once
@@ -25,11 +28,11 @@ from inference_engine.process_exit import wait_for_stop_signal
 from inference_engine.readiness import announce
 from inference_engine.runtime.engine import Engine
 from inference_engine.runtime.runtime import Runtime
-from inference_engine.server.servicer import RuntimeServicer
+from inference_engine.server.frontend import Frontend, open_frontend, start_frontend
+from inference_engine.server.metrics_http import MetricsEndpoint
 from inference_engine.shard.client.route import ShardRoute
 from inference_engine.shard.client.route_backend import RouteBackend
 from inference_engine.shard.client.supervisor import WorkerFlags, WorkerSupervisor
-from inference_engine.v1 import runtime_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +82,9 @@ async def connect_shards(cfg: ServerConfig, engine: Engine) -> tuple[ShardRoute 
         addresses = await supervisor.start()
     if not addresses:
         return None, None
-    route = ShardRoute(addresses, cfg.shard_recovery_timeout_s)
+    # Spawned workers are this process's loopback children; --shards workers get the --shard-tls-*/token flags.
+    route = ShardRoute(addresses, cfg.shard_recovery_timeout_s,
+                       channel_security=None if cfg.spawn_shards else cfg.shard_security)
     try:
         await route.start()
         g = engine.geometry(1, 1)
@@ -97,31 +102,44 @@ async def connect_shards(cfg: ServerConfig, engine: Engine) -> tuple[ShardRoute 
 
 
 async def start_server(runtime: Runtime, host: str, port: int) -> tuple[grpc.aio.Server, int]:
-    """Start a grpc.aio server for `runtime`; returns it and the bound port."""
-    server = grpc.aio.server()
-    pb_grpc.add_RuntimeServiceServicer_to_server(RuntimeServicer(runtime), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"could not bind {host}:{port}")
-    await server.start()
-    runtime.start()
-    return server, bound
+    """Start a grpc.aio server for `runtime` (security from `runtime.config`); returns it and the bound port."""
+    frontend = await start_frontend(runtime, host, port)
+    return frontend.server, frontend.port
 
 
 async def serve(cfg: ServerConfig) -> None:
     """Serve until SIGTERM/SIGINT, then drain in-flight RPCs for `grace_s` and exit."""
-    log.info("BLAS in use: %s (1024x1024 fp32 matmul %.1f ms)", active_blas(), matmul_ms())
-    engine = build_engine(cfg)
-    route, supervisor = await connect_shards(cfg, engine)
+    frontend = await open_frontend(cfg, cfg.host, cfg.port)
+    endpoint = None
     try:
+        log.info("bound %s:%d (%s); health NOT_SERVING until the model is loaded", cfg.host, frontend.port,
+                 cfg.security.describe())
+        if cfg.metrics_port:
+            endpoint = MetricsEndpoint(cfg.metrics_host, cfg.metrics_port)
+            log.info("metrics on http://%s:%d/metrics", endpoint.host, endpoint.port)
+        log.info("BLAS in use: %s (1024x1024 fp32 matmul %.1f ms)", active_blas(), await asyncio.to_thread(matmul_ms))
+        engine = await asyncio.to_thread(build_engine, cfg)  # the loop keeps answering health checks meanwhile
+        await _serve_engine(cfg, engine, frontend)
+    finally:
+        await frontend.server.stop(None)  # already stopped unless start-up failed
+        if endpoint is not None:
+            endpoint.close()
+    log.info("stopped")
+
+
+async def _serve_engine(cfg: ServerConfig, engine: Engine, frontend: Frontend) -> None:
+    route = supervisor = None
+    try:
+        route, supervisor = await connect_shards(cfg, engine)
         runtime = Runtime(engine, cfg)
-        server, port = await start_server(runtime, cfg.host, cfg.port)
-        announce(cfg.host, port)
+        await frontend.attach(runtime)
+        announce(cfg.host, frontend.port)
         await wait_for_stop_signal()
-        log.info("shutting down: ending streams and draining in-flight RPCs for up to %.1fs", cfg.grace_s)
+        log.info("shutting down: NOT_SERVING, ending streams, draining in-flight RPCs for up to %.1fs", cfg.grace_s)
         started = time.monotonic()
+        await frontend.health.drain()
         await runtime.end_streams(cfg.grace_s)  # each stream gets its final message (CANCELLED)
-        await server.stop(max(0.0, cfg.grace_s - (time.monotonic() - started)))
+        await frontend.drain(max(0.0, cfg.grace_s - (time.monotonic() - started)))
         await runtime.stop()
     finally:
         if route is not None:
@@ -131,4 +149,3 @@ async def serve(cfg: ServerConfig) -> None:
             await route.stop()
         if supervisor is not None:
             await supervisor.stop()
-    log.info("stopped")

@@ -1,14 +1,21 @@
-"""RuntimeService over grpc.aio: protobuf in, frozen dataclasses down, errors mapped once."""
+"""RuntimeService over grpc.aio: protobuf in, frozen dataclasses down, errors mapped once.
+
+Every call acts for the caller's identity (security/authenticator.py): a session is
+visible only to the identity that created it. Until a runtime is attached (the model is
+still loading) every call is UNAVAILABLE.
+"""
 
 from __future__ import annotations
 
 import functools
 import logging
+import time
 from typing import Any, Callable
 
 import grpc
 
-from inference_engine.errors import RuntimeServiceError
+from inference_engine import metrics
+from inference_engine.errors import EngineUnavailable, RuntimeServiceError
 from inference_engine.runtime.runtime import Runtime
 from inference_engine.runtime.types import (
     DEFAULT_DRAFT_TOKENS,
@@ -18,26 +25,32 @@ from inference_engine.runtime.types import (
     GenerateChunk,
     GenerateParams,
 )
-from inference_engine.server.status_codes import status_of
+from inference_engine.server import call_record
+from inference_engine.server.error_details import abort_with
 from inference_engine.server.validation import Validator
 from inference_engine.v1 import runtime_pb2 as pb
 from inference_engine.v1 import runtime_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
+Identify = Callable[[grpc.aio.ServicerContext], str]  # the caller's identity
 
 
 def _mapped(method: Callable) -> Callable:
-    """Abort with the mapped status code on runtime errors; log unexpected ones."""
+    """Identify the caller, run the call for it; abort with the mapped status on errors, log unexpected ones."""
 
     @functools.wraps(method)
     async def wrapper(self: "RuntimeServicer", request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
-            return await method(self, request, context)
+            if self.runtime is None:
+                raise EngineUnavailable("the server is starting (the model is still loading); retry shortly")
+            owner = self.identify(context)
+            call_record.current().identity = owner
+            return await method(self, request, context, owner)
         except RuntimeServiceError as exc:
-            await context.abort(status_of(exc), str(exc))
+            await abort_with(context, exc)
         except Exception as exc:  # noqa: BLE001 - the INTERNAL catch-all, logged
             log.exception("unexpected error in %s", method.__name__)
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+            await abort_with(context, exc, f"internal error: {type(exc).__name__}: {exc}")
 
     return wrapper
 
@@ -45,12 +58,23 @@ def _mapped(method: Callable) -> Callable:
 class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
     """Converts and validates requests, then delegates to the Runtime."""
 
-    def __init__(self, runtime: Runtime):
-        self.runtime = runtime
+    def __init__(self, identify: Identify):
+        """
+        Args:
+            identify: the caller's identity from its call context (its sessions' owner;
+                Authenticator.identity_of).
+        """
+        self.runtime: Runtime | None = None  # set by `attach`; calls are UNAVAILABLE until then
+        self.identify = identify
+
+    def attach(self, runtime: Runtime) -> None:
+        """Start serving calls with `runtime`."""
         self.validate = Validator(runtime.config, runtime.engine.spec.vocab_size)
+        self.runtime = runtime
 
     @_mapped
-    async def CreateSession(self, request: pb.CreateSessionRequest, context: grpc.aio.ServicerContext) -> pb.CreateSessionResponse:
+    async def CreateSession(self, request: pb.CreateSessionRequest, context: grpc.aio.ServicerContext,
+                            owner: str) -> pb.CreateSessionResponse:
         v = self.validate
         v.length("CreateSessionRequest.client_label", len(request.client_label))
         params = CreateSessionParams(
@@ -58,21 +82,31 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
             client_label=request.client_label,
             sink=v.value("CreateSessionRequest.sink_tokens", request.sink_tokens),
             window=v.value("CreateSessionRequest.window_tokens", request.window_tokens),
+            owner=owner,
         )
         created = await self.runtime.create_session(params)
+        call_record.current().session_id = created.session_id
         return pb.CreateSessionResponse(session_id=created.session_id, sink_tokens=created.sink, window_tokens=created.window)
 
     @_mapped
-    async def AppendTokens(self, request: pb.AppendTokensRequest, context: grpc.aio.ServicerContext) -> pb.AppendTokensResponse:
+    async def AppendTokens(self, request: pb.AppendTokensRequest, context: grpc.aio.ServicerContext,
+                           owner: str) -> pb.AppendTokensResponse:
+        record = call_record.current()
+        record.session_id = request.session_id
         params = AppendParams(
             session_id=self.validate.session_id(request.session_id),
             tokens=self.validate.items("AppendTokensRequest.tokens", list(request.tokens)),
+            owner=owner,
         )
         result = await self.runtime.append_tokens(params)
+        record.tokens_in = len(params.tokens)
+        metrics.TOKENS_APPENDED.inc(len(params.tokens))
         return pb.AppendTokensResponse(history_length=result.history_length, next_global_position=result.next_global_position)
 
     @_mapped
-    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, owner: str) -> None:
+        record = call_record.current()
+        record.session_id = request.session_id
         params = GenerateParams(
             session_id=self.validate.session_id(request.session_id),
             max_new_tokens=self.validate.value("GenerateRequest.max_new_tokens", request.max_new_tokens),
@@ -80,9 +114,21 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
             mode=DecodeMode(self.validate.value("GenerateRequest.mode", request.mode)),
             num_draft_tokens=self.validate.value("GenerateRequest.num_draft_tokens", request.num_draft_tokens)
             or DEFAULT_DRAFT_TOKENS,
+            owner=owner,
         )
+        record.tokens_out = 0
+        last = time.perf_counter()  # call start, then the previous step's hand-off
 
         async def emit(chunk: GenerateChunk) -> None:
+            nonlocal last
+            if chunk.tokens:
+                now = time.perf_counter()
+                (metrics.DECODE_STEP_SECONDS if record.tokens_out else metrics.TIME_TO_FIRST_TOKEN).observe(now - last)
+                last = now
+                record.tokens_out += len(chunk.tokens)
+                metrics.TOKENS_GENERATED.inc(len(chunk.tokens))
+            if chunk.stop_reason:
+                record.stop_reason = chunk.stop_reason.name
             await context.write(
                 pb.GenerateResponse(
                     tokens=chunk.tokens,
@@ -96,13 +142,17 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
         await self.runtime.generate(params, emit)
 
     @_mapped
-    async def CloseSession(self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext) -> pb.CloseSessionResponse:
-        n = await self.runtime.close_session(self.validate.session_id(request.session_id))
+    async def CloseSession(self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext,
+                           owner: str) -> pb.CloseSessionResponse:
+        call_record.current().session_id = request.session_id
+        n = await self.runtime.close_session(self.validate.session_id(request.session_id), owner)
         return pb.CloseSessionResponse(history_length=n)
 
     @_mapped
-    async def GetSessionInfo(self, request: pb.GetSessionInfoRequest, context: grpc.aio.ServicerContext) -> pb.GetSessionInfoResponse:
-        i = await self.runtime.session_info(self.validate.session_id(request.session_id))
+    async def GetSessionInfo(self, request: pb.GetSessionInfoRequest, context: grpc.aio.ServicerContext,
+                             owner: str) -> pb.GetSessionInfoResponse:
+        call_record.current().session_id = request.session_id
+        i = await self.runtime.session_info(self.validate.session_id(request.session_id), owner)
         return pb.GetSessionInfoResponse(
             session_id=i.session_id, history_length=i.history_length, next_global_position=i.next_global_position,
             cached_tokens=i.cached_tokens, sink_tokens=i.sink, window_tokens=i.window,

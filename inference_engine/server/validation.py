@@ -35,6 +35,11 @@ def bounds_table(cfg: ServerConfig, vocab_size: int) -> dict[str, Bound]:
     }
 
 
+def field_path(field: str) -> str:
+    """The request-relative path of a table field (`AppendTokensRequest.tokens#` -> `tokens`)."""
+    return field.split(".", 1)[-1].rstrip("#")
+
+
 class Validator:
     """Checks values against the table; messages name the field, the value and the range."""
 
@@ -47,13 +52,14 @@ class Validator:
         if (value == 0 and b.zero_ok) or b.low <= value <= b.high:
             return value
         zero = " (or 0 for the server default)" if b.zero_ok else ""
-        raise InvalidRequest(f"{field.rstrip('#')} = {value} is out of range; allowed {b.low}..{b.high}{zero}")
+        raise InvalidRequest(f"{field.rstrip('#')} = {value} is out of range; allowed {b.low}..{b.high}{zero}",
+                             field_path(field))
 
     def length(self, field: str, n: int) -> None:
         """Check a repeated/string field's length (table key `Field#`). Raises InvalidRequest."""
         b = self.table[field + "#"]
         if not b.low <= n <= b.high:
-            raise InvalidRequest(f"{field} has {n} elements/characters; allowed {b.low}..{b.high}")
+            raise InvalidRequest(f"{field} has {n} elements/characters; allowed {b.low}..{b.high}", field_path(field))
 
     def items(self, field: str, values: list[int]) -> tuple[int, ...]:
         """Check a repeated integer field's length and every element. Raises InvalidRequest."""
@@ -61,7 +67,8 @@ class Validator:
         b = self.table[field + "[]"]
         for i, v in enumerate(values):
             if not b.low <= v <= b.high:
-                raise InvalidRequest(f"{field}[{i}] = {v} is out of range; allowed {b.low}..{b.high} (vocab size {b.high + 1})")
+                raise InvalidRequest(f"{field}[{i}] = {v} is out of range; allowed {b.low}..{b.high} (vocab size {b.high + 1})",
+                                     f"{field_path(field)}[{i}]")
         return tuple(values)
 
     def session_id(self, sid: str) -> str:

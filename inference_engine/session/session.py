@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import hashlib
 import time
 from dataclasses import dataclass, field
 
 from inference_engine.errors import SessionBusy
+from inference_engine.security.settings import ANONYMOUS
 from inference_engine.session.coordinator import SessionCoordinator
+from inference_engine.short_id import short_id
 from inference_engine.verifier.sink_window_verifier import SinkWindowVerifier
 from inference_engine.verifier.token_log import TokenLog, Watermark
-
-
-def short_id(session_id: str) -> str:
-    """A short, stable tag for log lines: never log a full session id (it is the session's key)."""
-    return hashlib.sha256(session_id.encode()).hexdigest()[:8]
 
 
 @dataclass
@@ -43,6 +39,7 @@ class Session:
     is_closed: bool = False  # closed or expired; no new RPCs
     is_busy: bool = False  # an AppendTokens/Generate holds it
     draft: DraftCache | None = None  # the draft model's cache, built on first SPECULATIVE_DRAFT use
+    owner: str = ANONYMOUS  # identity that created it; no other identity can see it
 
     @property
     def tag(self) -> str:
@@ -53,6 +50,12 @@ class Session:
     def history(self) -> TokenLog:
         """The session's token log (owned by its coordinator)."""
         return self.coordinator.log
+
+    @property
+    def kv_bytes(self) -> int:
+        """K/V bytes the session holds: its slab, and the draft model's if it has one."""
+        draft = self.draft.verifier.nbytes if self.draft is not None else 0
+        return self.coordinator.verifier.nbytes + draft
 
     def touch(self) -> None:
         """Record use now (TTL restarts)."""

@@ -11,6 +11,7 @@ import secrets
 import time
 
 from inference_engine.errors import PoolExhausted, SessionNotFound
+from inference_engine.security.settings import ANONYMOUS
 from inference_engine.session.session import Session
 
 log = logging.getLogger(__name__)
@@ -35,6 +36,10 @@ class SessionStore:
         """Open sessions plus closed ones whose last call has not finished."""
         return len(self._sessions) + len(self._draining)
 
+    def kv_bytes_in_use(self) -> int:
+        """K/V bytes of every open session (target and draft slabs)."""
+        return sum(s.kv_bytes for s in self._sessions.values())
+
     def reserve(self) -> None:
         """Check a slab is free before building one.
 
@@ -52,25 +57,28 @@ class SessionStore:
         self.reserve()
         self._sessions[session.session_id] = session
 
-    def get(self, session_id: str) -> Session:
-        """The open session with this id.
+    def get(self, session_id: str, owner: str = ANONYMOUS) -> Session:
+        """The open session with this id, if `owner` owns it.
+
+        Another identity's session is reported exactly as a missing one, so a session
+        id reveals nothing to anyone but its owner.
 
         Raises:
-            SessionNotFound: unknown, closed or expired.
+            SessionNotFound: unknown, closed, expired or owned by another identity.
         """
         self.expire_idle()
         session = self._sessions.get(session_id)
-        if session is None:
+        if session is None or session.owner != owner:
             raise SessionNotFound(f"session {session_id!r} does not exist (never created, closed, or expired)")
         return session
 
-    def close(self, session_id: str) -> Session:
-        """Close a session; its slab frees when its running call (if any) ends.
+    def close(self, session_id: str, owner: str = ANONYMOUS) -> Session:
+        """Close `owner`'s session; its slab frees when its running call (if any) ends.
 
         Raises:
-            SessionNotFound: unknown or already closed.
+            SessionNotFound: unknown, already closed or owned by another identity.
         """
-        session = self.get(session_id)
+        session = self.get(session_id, owner)
         self._remove(session)
         return session
 

@@ -31,6 +31,8 @@ import grpc
 import numpy as np
 
 from inference_engine.errors import InvalidRequest, InvariantViolation, SessionNotFound
+from inference_engine.security.credentials import open_channel
+from inference_engine.security.settings import ClientSecurity
 from inference_engine.shard.client.hop_stream import HopStream
 from inference_engine.shard.client.route_session import HopStats, RouteSession, checked_output
 from inference_engine.shard.protocol.errors import MalformedShardOutput
@@ -53,13 +55,14 @@ class ShardPipeline:
     """A route of shard workers computing one model, for many sessions."""
 
     def __init__(self, addresses: Sequence[str], *, epoch: int = 1, step_timeout_s: float = 120.0,
-                 connect_timeout_s: float = 10.0):
+                 connect_timeout_s: float = 10.0, channel_security: ClientSecurity | None = None):
         """
         Args:
             addresses: "host:port" of each worker, head first, tail last.
             epoch: the route epoch sessions open at (>= 1).
             step_timeout_s: deadline of one work frame on one worker.
             connect_timeout_s: deadline of SessionOpen and of GetCapability / Health / Release / Cancel calls.
+            channel_security: CA, client certificate and token presented to the workers (None = plaintext).
         """
         if not addresses:
             raise InvalidRequest("a route needs at least one worker address")
@@ -69,6 +72,7 @@ class ShardPipeline:
         self.step_timeout_s = step_timeout_s
         self.connect_timeout_s = connect_timeout_s
         self._epoch = epoch
+        self.channel_security = channel_security
         self._channels: list[grpc.aio.Channel] = []
         self._stubs: list[pb_grpc.ShardRuntimeStub] = []
         self._caps: tuple[ShardCapabilities, ...] = ()
@@ -95,7 +99,7 @@ class ShardPipeline:
                 workers do not run the same model.
         """
         if not self._channels:
-            self._channels = [grpc.aio.insecure_channel(a, options=CLIENT_CHANNEL_OPTIONS) for a in self.addresses]
+            self._channels = [open_channel(a, self.channel_security, CLIENT_CHANNEL_OPTIONS) for a in self.addresses]
             self._stubs = [pb_grpc.ShardRuntimeStub(c) for c in self._channels]
         replies = await asyncio.gather(*(self._unary(i, "GetCapability", pb.ShardCapabilityRequest())
                                          for i in range(len(self._stubs))))

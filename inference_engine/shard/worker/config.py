@@ -11,6 +11,8 @@ from pathlib import Path
 
 from inference_engine.config import DEFAULT_MAX_TILE, default_cache_dir
 from inference_engine.model.packaged import DEFAULT_MODEL
+from inference_engine.security.flags import add_server_security_flags, check_exposure, server_security_from_args
+from inference_engine.security.settings import ServerSecurity
 from inference_engine.shard.protocol.types import LayerRange
 
 
@@ -32,6 +34,7 @@ class ShardWorkerConfig:
     max_credits: int = 8  # most work frames in flight per session
     grace_s: float = 5.0  # drain time for in-flight RPCs at shutdown
     parent_pid: int = 0  # shut down when this process is gone (the supervising server); 0 = never
+    security: ServerSecurity = field(default_factory=ServerSecurity)  # TLS, mTLS, bearer tokens of the port
 
 
 def add_worker_flags(parser: argparse.ArgumentParser) -> None:
@@ -51,19 +54,22 @@ def add_worker_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grace", type=float, default=d.grace_s, help="seconds to drain RPCs on SIGTERM")
     parser.add_argument("--parent-pid", type=int, default=d.parent_pid,
                         help="shut down (as on SIGTERM) once this process is gone; the supervising server passes its own")
+    add_server_security_flags(parser)
 
 
 def worker_config_from_args(args: argparse.Namespace) -> ShardWorkerConfig:
     """Build the ShardWorkerConfig from parsed flags (and the cache-dir environment variable).
 
     Raises:
-        ValueError: a flag is malformed or out of range.
+        ValueError: a flag is malformed or out of range, security flags are incomplete, or a
+            non-loopback --host lacks TLS and authentication without --insecure-public.
     """
     cfg = ShardWorkerConfig(
         layers=LayerRange.parse(args.layers), host=args.host, port=args.port, model=args.model,
         cache_dir=default_cache_dir(), block=args.block, max_tile=args.max_tile, max_rollback=args.max_rollback,
         max_sessions=args.max_sessions, max_sink=args.max_sink, max_window=args.max_window,
         max_credits=args.max_credits, grace_s=args.grace, parent_pid=args.parent_pid,
+        security=server_security_from_args(args),
     )
     checks = {
         "--port": 0 <= cfg.port <= 65535,
@@ -80,4 +86,5 @@ def worker_config_from_args(args: argparse.Namespace) -> ShardWorkerConfig:
     bad = [flag for flag, ok in checks.items() if not ok]
     if bad:
         raise ValueError(f"out-of-range flags: {', '.join(bad)}")
+    check_exposure(cfg.host, cfg.security)
     return cfg

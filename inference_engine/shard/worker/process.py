@@ -53,7 +53,8 @@ async def serve_worker(cfg: ShardWorkerConfig, wrap: EngineWrapper | None = None
     engine = build_engine(cfg)
     if wrap is not None:
         engine = wrap(engine)
-    server, port, servicer = await start_shard_server(engine, cfg.host, cfg.port, max_credits=cfg.max_credits)
+    server, port, servicer = await start_shard_server(engine, cfg.host, cfg.port, max_credits=cfg.max_credits,
+                                                      security=cfg.security)
     try:
         announce(cfg.host, port)
         await wait_for_stop_signal(cfg.parent_pid)

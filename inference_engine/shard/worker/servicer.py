@@ -10,6 +10,9 @@ from typing import Any, Callable
 import grpc
 
 from inference_engine.errors import RuntimeServiceError
+from inference_engine.security.auth_interceptor import token_interceptors
+from inference_engine.security.credentials import bind
+from inference_engine.security.settings import ServerSecurity
 from inference_engine.shard.protocol.errors import ShardUnavailable, code_of
 from inference_engine.shard.protocol.status_codes import grpc_status_of
 from inference_engine.shard.protocol.wire import CHANNEL_OPTIONS, capability_msg, check, health_msg
@@ -98,23 +101,25 @@ class ShardRuntimeServicer(pb_grpc.ShardRuntimeServicer):
         self.thread.close()
 
 
-async def start_shard_server(engine: ShardEngine, host: str, port: int,
-                             max_credits: int = 8) -> tuple[grpc.aio.Server, int, ShardRuntimeServicer]:
+async def start_shard_server(engine: ShardEngine, host: str, port: int, max_credits: int = 8,
+                             security: ServerSecurity | None = None) -> tuple[grpc.aio.Server, int, ShardRuntimeServicer]:
     """Load `engine` (if needed) and serve it on host:port.
 
+    Args:
+        security: TLS, mTLS and bearer tokens of the port (None = plaintext, no token check).
     Returns:
         The started server, the bound port, and the servicer (`fail_sessions` before
         stopping the server, `close` after).
     Raises:
-        OSError: the address cannot be bound.
+        OSError: the address cannot be bound, or a certificate, key or token file cannot be read.
+        ValueError: the token file is malformed.
     """
+    security = security or ServerSecurity()
+    interceptors = token_interceptors(security)
     engine.load()
     servicer = ShardRuntimeServicer(engine, max_credits=max_credits)
-    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=interceptors)
     pb_grpc.add_ShardRuntimeServicer_to_server(servicer, server)
-    try:
-        bound = server.add_insecure_port(f"{host}:{port}")
-    except RuntimeError as exc:
-        raise OSError(f"could not bind {host}:{port}: {exc}") from exc
+    bound = bind(server, f"{host}:{port}", security)
     await server.start()
     return server, bound, servicer
