@@ -44,6 +44,29 @@ def test_serve_readiness_drain_and_sigterm(real_model_path):
     assert f"BLAS in use: {EXPECTED_BLAS}" in err and "exact mode: block size" in err and "stopped" in err
 
 
+def test_stream_longer_than_grace_gets_its_final_message(real_model_path):
+    """SIGTERM: new calls are refused, and a stream that outlives --grace ends with CANCELLED, not a cut connection."""
+    proc, target = _start("--max-sessions", "2", "--grace", "2")
+    try:
+        stub = pb_grpc.RuntimeServiceStub(grpc.insecure_channel(target))
+        sid = stub.CreateSession(pb.CreateSessionRequest()).session_id
+        stub.AppendTokens(pb.AppendTokensRequest(session_id=sid, tokens=[1, 2, 3, 4]))
+        stream = stub.Generate(pb.GenerateRequest(session_id=sid, max_new_tokens=4000, ignore_eos=True))
+        first = next(stream)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.CreateSession(pb.CreateSessionRequest())
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        rest = list(stream)
+        produced = len(first.tokens) + sum(len(m.tokens) for m in rest)
+        assert rest[-1].stop_reason == pb.STOP_REASON_CANCELLED and produced < 4000
+        assert rest[-1].history_length == 4 + produced  # the final message counts exactly what was sent
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
+
+
 @linux_openblas
 def test_reexec_preloads_openblas_without_ld_preload(real_model_path):
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}

@@ -16,7 +16,7 @@ from typing import Awaitable, Callable
 
 from inference_engine.config import ServerConfig
 from inference_engine.decoding.drafter import Drafter, ModelDrafter, PromptLookupDrafter
-from inference_engine.errors import InvariantViolation, SessionNotFound
+from inference_engine.errors import EngineUnavailable, InvariantViolation, SessionNotFound
 from inference_engine.runtime.engine import Engine
 from inference_engine.runtime.jobs import AppendCancelled, AppendJob, GenerateEnd, GenerateJob
 from inference_engine.runtime.types import (
@@ -45,7 +45,8 @@ class Runtime:
         self.engine = engine
         self.config = config
         self.store = SessionStore(config.max_sessions, config.session_ttl_s)
-        self.is_shutting_down = False
+        self.is_shutting_down = False  # running streams end at their next step
+        self.is_draining = False  # new calls are refused (running ones go on)
         self._sweeper: asyncio.Task | None = None
         self._streams: set[asyncio.Future] = set()  # running Generate jobs' `finished`
         self.drafters: dict[DecodeMode, Drafter] = {DecodeMode.SPECULATIVE_LOOKUP: PromptLookupDrafter()}
@@ -57,12 +58,25 @@ class Runtime:
         """Start the idle-session sweeper (call from the event loop)."""
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
 
-    async def end_streams(self, timeout_s: float) -> None:
-        """Shutting down: every running Generate ends at its next step with CANCELLED (waits up to `timeout_s`)."""
+    async def drain(self, grace_s: float) -> None:
+        """Shutting down: refuse new calls, let running streams finish, and end the rest in time.
+
+        Streams get `grace_s` less a margin to finish on their own; those still running are
+        then ended at their next step with their final message (stop reason CANCELLED),
+        so no client sees its stream cut.
+        """
+        self.is_draining = True
+        margin = min(1.0, grace_s / 4)
+        if self._streams:
+            await asyncio.wait(list(self._streams), timeout=max(0.0, grace_s - margin))
         self.is_shutting_down = True
         self.engine.scheduler.wake()
         if self._streams:
-            await asyncio.wait(list(self._streams), timeout=timeout_s)
+            await asyncio.wait(list(self._streams), timeout=margin)
+
+    def _check_serving(self) -> None:
+        if self.is_draining:
+            raise EngineUnavailable("the server is shutting down; retry against a live server")
 
     async def stop(self) -> None:
         """Stop the sweeper; in-flight generations end at their next step."""
@@ -83,7 +97,9 @@ class Runtime:
 
         Raises:
             PoolExhausted: no slab is free.
+            EngineUnavailable: the server is shutting down.
         """
+        self._check_serving()
         self.store.reserve()
         sink = p.sink or self.config.default_sink
         window = p.window or self.config.default_window
@@ -110,6 +126,7 @@ class Runtime:
             SessionNotFound: unknown, or closed before the append completed (nothing appended).
             SessionBusy, InvariantViolation.
         """
+        self._check_serving()
         session = self.store.get(p.session_id, p.owner)
         session.acquire("AppendTokens")
         job = AppendJob(session, list(p.tokens), asyncio.get_running_loop())
@@ -148,6 +165,7 @@ class Runtime:
             SessionNotFound, SessionBusy, InvariantViolation (no tokens appended yet, or
             a draft-model mode on a server without a draft model).
         """
+        self._check_serving()
         session = self.store.get(p.session_id, p.owner)
         if p.mode is DecodeMode.SPECULATIVE_DRAFT and not self.engine.has_draft_model:
             raise InvariantViolation(

@@ -138,8 +138,8 @@ async def _serve_engine(cfg: ServerConfig, engine: Engine, frontend: Frontend) -
         log.info("shutting down: NOT_SERVING, ending streams, draining in-flight RPCs for up to %.1fs", cfg.grace_s)
         started = time.monotonic()
         await frontend.health.drain()
-        await runtime.end_streams(cfg.grace_s)  # each stream gets its final message (CANCELLED)
-        await frontend.drain(max(0.0, cfg.grace_s - (time.monotonic() - started)))
+        await runtime.drain(cfg.grace_s)  # streams finish, or end with their final message (CANCELLED)
+        await frontend.drain(max(0.1, cfg.grace_s - (time.monotonic() - started)))
         await runtime.stop()
     finally:
         if route is not None:
