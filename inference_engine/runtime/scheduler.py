@@ -240,6 +240,9 @@ class Scheduler:
                 self._finish(job, exc)
                 continue
             if block is None:
+                if job.is_cancelled and not job.is_done:  # it gave up while planning (e.g. its session closed)
+                    self._finish(job, None)
+                    ended = True
                 continue
             planned.append((job, block))
             rows += len(block.tokens)
