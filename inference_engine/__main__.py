@@ -23,7 +23,10 @@ def main(argv: list[str] | None = None) -> int:
     add_worker_flags(sub.add_parser("shard-worker", help="serve one layer range over ShardRuntime (gRPC)"))
     sub.add_parser("prepare-model", help="convert the packaged model once (fp32 and q4) and exit")
     args = parser.parse_args(argv)
-    reexec_with_openblas(["-m", "inference_engine", *argv])
+    try:
+        reexec_with_openblas(["-m", "inference_engine", *argv])
+    except ValueError as exc:  # an unknown INFERENCE_ENGINE_KERNEL
+        parser.error(str(exc))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     if args.command == "prepare-model":
         from inference_engine.model.packaged import ensure_packaged_model

@@ -197,7 +197,7 @@ async def test_connect_shards_checks_the_route(workers, real_model, real_engine,
             check_route_compatible(engine.route, 1, 1, tiny)
         with monkeypatch.context() as m:  # a server on other kernels than its workers
             m.setattr(engine_module, "active_blas", lambda: "reference: bundled")
-            with pytest.raises(ValueError, match="same INFERENCE_ENGINE_NO_ROW_GEMV"):
+            with pytest.raises(ValueError, match="same INFERENCE_ENGINE_KERNEL"):
                 check_route_compatible(engine.route, 1, 1, real_model)
         await pipeline.close()
     finally:

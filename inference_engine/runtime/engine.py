@@ -64,7 +64,7 @@ def check_route_compatible(route: ShardRoute, block: int, rollback: int, loaded:
     kernels = active_blas()
     if head.kernels != kernels:
         raise ValueError(f"the shard route computes with {head.kernels!r}, this server with {kernels!r}: "
-                         "start both the same way (same BLAS, same INFERENCE_ENGINE_NO_ROW_GEMV) to be bitwise exact")
+                         "start both the same way (same BLAS, same INFERENCE_ENGINE_KERNEL) to be bitwise exact")
     if p.max_block < block or p.max_rollback < rollback:
         raise ValueError(f"the shard route accepts blocks of {p.max_block} and rollback {p.max_rollback}; this "
                          f"server needs block {block} (its probed tile) and rollback {rollback}: start the workers "
