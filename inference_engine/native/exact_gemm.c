@@ -28,6 +28,7 @@
 #include <signal.h>
 #include <stdatomic.h>
 #include <stddef.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -38,7 +39,10 @@
 #endif
 
 #define EXACT_GEMM_MAX_ROWS 64
-#define SPIN_NS 200000L /* a worker spins this long for the next call before sleeping */
+#define SPIN_NS 200000L   /* a worker spins this long for the next call before sleeping */
+#ifndef CHUNK_MACS
+#define CHUNK_MACS 400000L /* work per claimed chunk of a pooled call (~20 us) */
+#endif
 
 const char exact_gemm_version[] = "exact-gemm kernel 1 (max rows 64, 8-lane mul+add)";
 
@@ -94,9 +98,10 @@ struct job {
     size_t lda, ldb, ldc;
 };
 
-/* R rows of A x C rows of B, full K: every weight vector loaded once feeds R rows. */
+/* R rows of A x C rows of B, full K: every weight vector loaded once feeds R rows. `pf`: the
+ * weight rows this thread reads next (prefetched while these are multiplied), or NULL. */
 #define TILE_NT(R, C)                                                                              \
-    INLINE void tile_nt_##R##x##C(const struct job *j, int i0, int n0) {                          \
+    INLINE void tile_nt_##R##x##C(const struct job *j, int i0, int n0, const float *pf) {        \
         const float *a = j->a + (size_t)i0 * j->lda, *b = j->b + (size_t)n0 * j->ldb;             \
         v8 acc[R][C];                                                                              \
         for (int r = 0; r < R; ++r)                                                                \
@@ -105,8 +110,11 @@ struct job {
         int k = 0;                                                                                 \
         for (; k + 8 <= j->k; k += 8) {                                                            \
             v8 w[C];                                                                               \
-            for (int c = 0; c < C; ++c)                                                            \
+            for (int c = 0; c < C; ++c) {                                                          \
                 w[c] = load8(b + c * j->ldb + k);                                                  \
+                if (pf)                                                                            \
+                    __builtin_prefetch(pf + c * j->ldb + k);                                       \
+            }                                                                                      \
             for (int r = 0; r < R; ++r) {                                                          \
                 v8 x = load8(a + r * j->lda + k);                                                  \
                 for (int c = 0; c < C; ++c)                                                        \
@@ -140,38 +148,41 @@ TILE_NT(4, 3)
 TILE_NT(1, 8)
 
 /* The tile of `rows` x `cols` at (i, n); inlined, so each clone of the caller gets its own. */
-INLINE void tile_nt(const struct job *j, int rows, int cols, int i, int n) {
+INLINE void tile_nt(const struct job *j, int rows, int cols, int i, int n, const float *pf) {
     switch (rows * 4 + cols) {
-    case 5: tile_nt_1x1(j, i, n); break;
-    case 6: tile_nt_1x2(j, i, n); break;
-    case 7: tile_nt_1x3(j, i, n); break;
-    case 9: tile_nt_2x1(j, i, n); break;
-    case 10: tile_nt_2x2(j, i, n); break;
-    case 11: tile_nt_2x3(j, i, n); break;
-    case 13: tile_nt_3x1(j, i, n); break;
-    case 14: tile_nt_3x2(j, i, n); break;
-    case 15: tile_nt_3x3(j, i, n); break;
-    case 17: tile_nt_4x1(j, i, n); break;
-    case 18: tile_nt_4x2(j, i, n); break;
-    default: tile_nt_4x3(j, i, n); break;
+    case 5: tile_nt_1x1(j, i, n, pf); break;
+    case 6: tile_nt_1x2(j, i, n, pf); break;
+    case 7: tile_nt_1x3(j, i, n, pf); break;
+    case 9: tile_nt_2x1(j, i, n, pf); break;
+    case 10: tile_nt_2x2(j, i, n, pf); break;
+    case 11: tile_nt_2x3(j, i, n, pf); break;
+    case 13: tile_nt_3x1(j, i, n, pf); break;
+    case 14: tile_nt_3x2(j, i, n, pf); break;
+    case 15: tile_nt_3x3(j, i, n, pf); break;
+    case 17: tile_nt_4x1(j, i, n, pf); break;
+    case 18: tile_nt_4x2(j, i, n, pf); break;
+    default: tile_nt_4x3(j, i, n, pf); break;
     }
 }
 
-/* Columns [n0, n1) of every row. One row: 8 weight rows in flight. More rows: 3 weight rows
- * at a time (they stay in L1) against every 4-row group of A. */
+/* Columns [n0, n1) of every row. One row: 8 weight rows in flight (memory-bound; the
+ * hardware prefetcher keeps up). More rows: 3 weight rows at a time against every 4-row
+ * group of A; they stay in L1 from the first group on, and the next 3 are prefetched
+ * meanwhile, so memory and arithmetic overlap. */
 KERNEL static void run_nt(const struct job *j, int n0, int n1) {
     int n = n0;
     if (j->m == 1) {
         for (; n + 8 <= n1; n += 8)
-            tile_nt_1x8(j, 0, n);
+            tile_nt_1x8(j, 0, n, NULL);
         for (; n < n1; n += 3)
-            tile_nt(j, 1, n1 - n < 3 ? n1 - n : 3, 0, n);
+            tile_nt(j, 1, n1 - n < 3 ? n1 - n : 3, 0, n, NULL);
         return;
     }
     for (; n < n1; n += 3) {
         int cols = n1 - n < 3 ? n1 - n : 3;
+        const float *pf = n + 6 <= n1 ? j->b + (size_t)(n + 3) * j->ldb : NULL;
         for (int i = 0; i < j->m; i += 4)
-            tile_nt(j, j->m - i < 4 ? j->m - i : 4, cols, i, n);
+            tile_nt(j, j->m - i < 4 ? j->m - i : 4, cols, i, n, pf);
     }
 }
 
@@ -247,29 +258,29 @@ KERNEL static void run_nn(const struct job *j, int n0, int n1) {
 
 /* ------------------------------------------------------------------------- the thread pool */
 
-/* Column ranges are cut at multiples of 24 (whole 1x8 and xC tiles), which only moves work
- * between threads: no element's arithmetic depends on the cut. */
-static void run_part(const struct job *j, int part, int parts) {
-    int chunk = (j->n + parts - 1) / parts;
-    chunk = (chunk + 23) / 24 * 24;
-    int n0 = part * chunk, n1 = n0 + chunk < j->n ? n0 + chunk : j->n;
-    if (n0 < n1)
-        (j->trans_b ? run_nt : run_nn)(j, n0, n1);
-}
+/* A pooled call is cut into chunks of whole 24-column groups, which the caller and the
+ * workers claim one at a time. Which thread computes a column never changes its bits, so
+ * the claiming may be as dynamic as it likes: a worker that is descheduled (a busy
+ * machine) or asleep simply gets fewer chunks, and the caller never waits for work that
+ * nobody has started. */
+static void run_columns(const struct job *j, int n0, int n1) { (j->trans_b ? run_nt : run_nn)(j, n0, n1); }
+
+#define TICKET(gen, next, count) ((uint64_t)(gen) << 32 | (uint64_t)(next) << 16 | (uint64_t)(count))
+#define GEN(t) ((uint32_t)((t) >> 32))
 
 static struct {
     pthread_mutex_t call;       /* one pooled call at a time; a concurrent caller runs inline */
-    pthread_mutex_t sleep_lock; /* guards sleepers and the wake-up */
+    pthread_mutex_t sleep_lock; /* with `wake`: idle workers sleep here */
     pthread_cond_t wake;
     pthread_once_t once;
-    int threads; /* caller included */
-    unsigned first_generation; /* generation when the workers were started */
-    int sleepers;
-    atomic_uint generation; /* bumped once per pooled call */
-    atomic_int pending;     /* workers still running the current call */
-    struct job job;
+    int threads;                /* caller included */
+    int chunk;                  /* columns per chunk of the current call */
+    struct job job;             /* the current call */
+    atomic_int sleepers;        /* workers asleep (or about to be) */
+    _Atomic uint64_t ticket;    /* call generation << 32 | next chunk << 16 | chunks */
+    atomic_int done;            /* chunks of the current call finished */
 } pool = {.call = PTHREAD_MUTEX_INITIALIZER, .sleep_lock = PTHREAD_MUTEX_INITIALIZER,
-        .wake = PTHREAD_COND_INITIALIZER, .once = PTHREAD_ONCE_INIT};
+          .wake = PTHREAD_COND_INITIALIZER, .once = PTHREAD_ONCE_INIT};
 
 static inline void cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -283,28 +294,45 @@ static long now_ns(void) {
     return t.tv_sec * 1000000000L + t.tv_nsec;
 }
 
-static void *worker(void *arg) {
-    int part = (int)(size_t)arg;
-    unsigned seen = pool.first_generation; /* not the current one: a call may already be posted */
+/* Claim and compute chunks of call `gen` until none is left. A claim succeeds only while
+ * the ticket still belongs to `gen`, and a call is not over (its job not replaced) until
+ * every claimed chunk is done, so a late worker can never compute a stale job. */
+static void work(uint32_t gen) {
+    uint64_t t = atomic_load(&pool.ticket);
     for (;;) {
-        unsigned g;
+        int next = (int)(t >> 16 & 0xffff), count = (int)(t & 0xffff);
+        if (GEN(t) != gen || next >= count)
+            return;
+        if (!atomic_compare_exchange_weak(&pool.ticket, &t, t + (1u << 16)))
+            continue; /* t now holds the current ticket */
+        int n0 = next * pool.chunk, n1 = n0 + pool.chunk < pool.job.n ? n0 + pool.chunk : pool.job.n;
+        run_columns(&pool.job, n0, n1);
+        atomic_fetch_add(&pool.done, 1);
+        t = atomic_load(&pool.ticket);
+    }
+}
+
+static void *worker(void *arg) {
+    (void)arg;
+    uint32_t seen = GEN(atomic_load(&pool.ticket));
+    for (;;) {
+        uint32_t gen;
         long start = now_ns();
-        for (int spins = 1; (g = atomic_load_explicit(&pool.generation, memory_order_acquire)) == seen; ++spins) {
+        for (int spins = 1; (gen = GEN(atomic_load(&pool.ticket))) == seen; ++spins) {
             cpu_relax();
             if (spins % 256 == 0 && now_ns() - start > SPIN_NS)
                 break;
         }
-        if (g == seen) { /* idle: sleep until the next call */
+        if (gen == seen) { /* idle: sleep until a call wakes us (a missed wake-up only costs help) */
             pthread_mutex_lock(&pool.sleep_lock);
-            ++pool.sleepers;
-            while ((g = atomic_load(&pool.generation)) == seen)
+            atomic_fetch_add(&pool.sleepers, 1);
+            while ((gen = GEN(atomic_load(&pool.ticket))) == seen)
                 pthread_cond_wait(&pool.wake, &pool.sleep_lock);
-            --pool.sleepers;
+            atomic_fetch_sub(&pool.sleepers, 1);
             pthread_mutex_unlock(&pool.sleep_lock);
         }
-        seen = g;
-        run_part(&pool.job, part, pool.threads);
-        atomic_fetch_sub_explicit(&pool.pending, 1, memory_order_release);
+        seen = gen;
+        work(gen);
     }
     return NULL;
 }
@@ -320,17 +348,16 @@ static int thread_count(void) {
 
 static void start_pool(void) {
     pool.threads = thread_count();
-    pool.first_generation = atomic_load(&pool.generation);
     pthread_attr_t attr;
     pthread_attr_init(&attr);
     pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
     sigset_t all, old;
     sigfillset(&all);
     pthread_sigmask(SIG_SETMASK, &all, &old); /* workers never take the process's signals */
-    for (int part = 1; part < pool.threads; ++part) {
+    for (int i = 1; i < pool.threads; ++i) {
         pthread_t t;
-        if (pthread_create(&t, &attr, worker, (void *)(size_t)part) != 0) {
-            pool.threads = part; /* parts are handed out by index: fewer threads, fewer parts */
+        if (pthread_create(&t, &attr, worker, NULL) != 0) {
+            pool.threads = i;
             break;
         }
     }
@@ -343,30 +370,40 @@ static void after_fork_in_child(void) { /* the workers did not survive the fork:
     pthread_mutex_init(&pool.sleep_lock, NULL);
     pthread_cond_init(&pool.wake, NULL);
     pool.once = (pthread_once_t)PTHREAD_ONCE_INIT;
-    pool.sleepers = 0;
+    atomic_store(&pool.sleepers, 0);
 }
 
 static void run(const struct job *j) {
-    /* Small products (attention's per-head matmuls) are not worth waking a thread. */
+    /* Small products (attention's per-head matmuls) are not worth sharing. */
     if ((double)j->m * j->n * j->k < 65536.0 || j->n < 48) {
-        run_part(j, 0, 1);
+        run_columns(j, 0, j->n);
         return;
     }
     pthread_once(&pool.once, start_pool);
     if (pool.threads == 1 || pthread_mutex_trylock(&pool.call) != 0) {
-        run_part(j, 0, 1); /* another thread holds the pool: same bits, computed here */
+        run_columns(j, 0, j->n); /* another thread holds the pool: same bits, computed here */
         return;
     }
+    /* Chunks of ~CHUNK_MACS multiply-adds: a worker that loses its core mid-chunk keeps the
+     * caller waiting for at most that much work (and the caller yields its core meanwhile). */
+    long cols = CHUNK_MACS / ((long)j->m * (j->k ? j->k : 1));
+    pool.chunk = cols < 24 ? 24 : (int)((cols + 23) / 24 * 24);
+    int count = (j->n + pool.chunk - 1) / pool.chunk;
     pool.job = *j;
-    atomic_store_explicit(&pool.pending, pool.threads - 1, memory_order_relaxed);
-    pthread_mutex_lock(&pool.sleep_lock);
-    atomic_fetch_add_explicit(&pool.generation, 1, memory_order_release);
-    if (pool.sleepers)
+    atomic_store(&pool.done, 0);
+    uint32_t gen = GEN(atomic_load(&pool.ticket)) + 1;
+    atomic_store(&pool.ticket, TICKET(gen, 0, count)); /* publishes job and chunk */
+    if (atomic_load(&pool.sleepers)) {
+        pthread_mutex_lock(&pool.sleep_lock);
         pthread_cond_broadcast(&pool.wake);
-    pthread_mutex_unlock(&pool.sleep_lock);
-    run_part(j, 0, pool.threads);
-    while (atomic_load_explicit(&pool.pending, memory_order_acquire) != 0)
-        cpu_relax();
+        pthread_mutex_unlock(&pool.sleep_lock);
+    }
+    work(gen);
+    for (int spins = 1; atomic_load(&pool.done) < count; ++spins) /* chunks a worker still computes */
+        if (spins % 1024 == 0)
+            sched_yield();
+        else
+            cpu_relax();
     pthread_mutex_unlock(&pool.call);
 }
 
