@@ -35,7 +35,7 @@ class ServerConfig:
     max_new_tokens: int = 4096  # upper bound of GenerateRequest.max_new_tokens
     session_ttl_s: float = 900.0  # idle sessions expire after this
     exact: bool = True  # run on the probed bit-exact tile; False = plain large blocks
-    max_tile: int = 16  # largest block size the probe tries
+    max_tile: int = 64  # largest block size the probe tries
     plain_block: int = 64  # block size when exact is off
     grace_s: float = 10.0  # drain time for in-flight RPCs at shutdown
     shards: tuple[str, ...] = ()  # host:port of running shard workers, head first (() = layers run here)

@@ -25,7 +25,7 @@ class ShardWorkerConfig:
     model: str = DEFAULT_MODEL  # packaged model name or mlx-lm folder
     cache_dir: Path = Path("~/.cache/inference_engine")  # converted-model cache
     block: int = 0  # rows per forward chunk; 0 = probe the exact tile at start-up
-    max_tile: int = 16  # largest block size the probe tries
+    max_tile: int = 64  # largest block size the probe tries
     max_rollback: int = 8  # deepest trim a session may ask for
     max_sessions: int = 8  # sessions held at once
     max_sink: int = 64  # largest sink a session may ask for
