@@ -111,10 +111,14 @@ async def fails_closed(call: grpc.aio.StreamStreamCall, code: int, status: grpc.
 
 
 def spawn_worker(layers: str, *flags: str, port: int = 0, rollback: int, stderr: int = subprocess.DEVNULL) -> subprocess.Popen:
-    """A real `python -m inference_engine shard-worker` subprocess (wait for it with `worker_ready`)."""
+    """A real `python -m inference_engine shard-worker` subprocess (wait for it with `worker_ready`).
+
+    Its probe stops at 16 rows, the tile the shard tests' engines use (probing 64 sizes costs
+    each worker seconds).
+    """
     return subprocess.Popen(
         [sys.executable, "-m", "inference_engine", "shard-worker", "--layers", layers, "--port", str(port),
-         "--max-rollback", str(rollback), *flags],
+         "--max-rollback", str(rollback), "--max-tile", "16", *flags],
         stdout=subprocess.PIPE, stderr=stderr, text=True,
     )
 
