@@ -40,9 +40,7 @@
 
 #define EXACT_GEMM_MAX_ROWS 64
 #define SPIN_NS 200000L   /* a worker spins this long for the next call before sleeping */
-#ifndef CHUNK_MACS
-#define CHUNK_MACS 400000L /* work per claimed chunk of a pooled call (~20 us) */
-#endif
+#define CHUNK_COST 400000L /* rows (at least 4) x k x columns per claimed chunk (~20 us) */
 
 const char exact_gemm_version[] = "exact-gemm kernel 1 (max rows 64, 8-lane mul+add)";
 
@@ -384,9 +382,10 @@ static void run(const struct job *j) {
         run_columns(j, 0, j->n); /* another thread holds the pool: same bits, computed here */
         return;
     }
-    /* Chunks of ~CHUNK_MACS multiply-adds: a worker that loses its core mid-chunk keeps the
-     * caller waiting for at most that much work (and the caller yields its core meanwhile). */
-    long cols = CHUNK_MACS / ((long)j->m * (j->k ? j->k : 1));
+    /* Chunks of ~CHUNK_COST (few rows cost their weight bytes, more rows their multiply-
+     * adds): a worker that loses its core mid-chunk keeps the caller waiting for at most
+     * that much work (and the caller yields its core meanwhile). */
+    long cols = CHUNK_COST / ((long)(j->m > 4 ? j->m : 4) * (j->k ? j->k : 1));
     pool.chunk = cols < 24 ? 24 : (int)((cols + 23) / 24 * 24);
     int count = (j->n + pool.chunk - 1) / pool.chunk;
     pool.job = *j;
