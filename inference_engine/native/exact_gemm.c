@@ -40,6 +40,7 @@
 
 #define EXACT_GEMM_MAX_ROWS 64
 #define SPIN_NS 200000L   /* a worker spins this long for the next call before sleeping */
+#define SOLO_CALLS 256      /* after a call waited on a descheduled worker, calls run alone */
 #define CHUNK_COST 400000L /* rows (at least 4) x k x columns per claimed chunk (~20 us) */
 
 const char exact_gemm_version[] = "exact-gemm kernel 1 (max rows 64, 8-lane mul+add)";
@@ -273,10 +274,13 @@ static struct {
     pthread_once_t once;
     int threads;                /* caller included */
     int chunk;                  /* columns per chunk of the current call */
+    int solo;                   /* calls the caller computes alone before trying the workers again */
     struct job job;             /* the current call */
     atomic_int sleepers;        /* workers asleep (or about to be) */
-    _Atomic uint64_t ticket;    /* call generation << 32 | next chunk << 16 | chunks */
-    atomic_int done;            /* chunks of the current call finished */
+    /* Written while the others compute: lines of their own, away from `job`. */
+    _Alignas(64) _Atomic uint64_t ticket; /* call generation << 32 | next chunk << 16 | chunks */
+    _Alignas(64) atomic_int done;         /* chunks of the current call finished */
+    char pad[60];
 } pool = {.call = PTHREAD_MUTEX_INITIALIZER, .sleep_lock = PTHREAD_MUTEX_INITIALIZER,
           .wake = PTHREAD_COND_INITIALIZER, .once = PTHREAD_ONCE_INIT};
 
@@ -303,8 +307,9 @@ static void work(uint32_t gen) {
             return;
         if (!atomic_compare_exchange_weak(&pool.ticket, &t, t + (1u << 16)))
             continue; /* t now holds the current ticket */
-        int n0 = next * pool.chunk, n1 = n0 + pool.chunk < pool.job.n ? n0 + pool.chunk : pool.job.n;
-        run_columns(&pool.job, n0, n1);
+        struct job j = pool.job; /* a private copy: the tiles read it in their loops */
+        int n0 = next * pool.chunk, n1 = n0 + pool.chunk < j.n ? n0 + pool.chunk : j.n;
+        run_columns(&j, n0, n1);
         atomic_fetch_add(&pool.done, 1);
         t = atomic_load(&pool.ticket);
     }
@@ -382,11 +387,22 @@ static void run(const struct job *j) {
         run_columns(j, 0, j->n); /* another thread holds the pool: same bits, computed here */
         return;
     }
-    /* Chunks of ~CHUNK_COST (few rows cost their weight bytes, more rows their multiply-
-     * adds): a worker that loses its core mid-chunk keeps the caller waiting for at most
-     * that much work (and the caller yields its core meanwhile). */
+    if (pool.solo > 0) { /* the workers lost their cores lately: do not wait on them */
+        --pool.solo;
+        pthread_mutex_unlock(&pool.call);
+        run_columns(j, 0, j->n);
+        return;
+    }
+    long start = now_ns();
+    /* At least 4 chunks per thread (balance), each at most ~CHUNK_COST (few rows cost their
+     * weight bytes, more rows their multiply-adds): a worker that loses its core mid-chunk
+     * keeps the caller waiting for at most that much work (the caller yields meanwhile).
+     * Whole tiles: 8 columns for one row, 24 (the 1x8 and xC tiles) otherwise. */
     long cols = CHUNK_COST / ((long)(j->m > 4 ? j->m : 4) * (j->k ? j->k : 1));
-    pool.chunk = cols < 24 ? 24 : (int)((cols + 23) / 24 * 24);
+    long share = (j->n + 4L * pool.threads - 1) / (4L * pool.threads);
+    long unit = j->m == 1 ? 8 : 24;
+    cols = cols < share ? cols : share;
+    pool.chunk = (int)((cols + unit - 1) / unit * unit);
     int count = (j->n + pool.chunk - 1) / pool.chunk;
     pool.job = *j;
     atomic_store(&pool.done, 0);
@@ -398,11 +414,15 @@ static void run(const struct job *j) {
         pthread_mutex_unlock(&pool.sleep_lock);
     }
     work(gen);
+    long own = now_ns();
     for (int spins = 1; atomic_load(&pool.done) < count; ++spins) /* chunks a worker still computes */
         if (spins % 1024 == 0)
             sched_yield();
         else
             cpu_relax();
+    long end = now_ns();
+    if (end - own > (end - start) / 4 && end - own > 50000)
+        pool.solo = SOLO_CALLS; /* waited long for a descheduled worker: a busy machine */
     pthread_mutex_unlock(&pool.call);
 }
 
