@@ -6,19 +6,23 @@
  * never on M, on i, on which micro-kernel computed it nor on which thread: lane j of an
  * 8-lane accumulator sums a[k]*b[k] for k = j, j+8, ... in increasing k (a zero-padded last
  * step for K % 8), then the lanes are added in one fixed tree, then alpha and beta are
- * applied. Threads split the output columns, never K. Every micro-kernel (1x8, RxC tiles)
- * instantiates the same per-element code; tiling only decides which weights are reused
- * from registers and L1, i.e. a weight row is read from memory once per call, not once per row.
+ * applied. Threads (the caller and a small pool) claim chunks of output columns, never of
+ * K. Every micro-kernel (1x8, RxC tiles) instantiates the same per-element code; tiling only
+ * decides which weights are reused from registers and L1, i.e. a weight row is read from
+ * memory once per call, not once per row.
  *
  * Arithmetic: explicit 8-lane GCC vectors, a multiply and an add rounded separately
  * (built with -ffp-contract=off; no FMA anywhere), so SSE2, AVX2 and AVX-512 machines give
- * the same bits; the AVX2 clone only changes the instructions. `dot_step` and `hsum8` are
- * the whole per-element arithmetic, to be shared by a future quantized (d*q + m) kernel.
+ * the same bits. No -march=native (a cached build may meet another CPU): on x86-64 the two
+ * column loops get an AVX2 clone chosen at load time (target_clones), which changes the
+ * instructions, not the operations. `dot_step` and `hsum8` are the whole per-element
+ * arithmetic, to be shared by a future quantized (d*q + m) kernel.
  *
  * Cases: RowMajor, A not transposed, B transposed (MLX's x @ W.T: each output is the dot
  * product of two contiguous rows) or not (attention's weights @ values: one sequential
  * chain per element, k = 0..K-1). Calls with more rows (plain-mode prefill) and any other
- * layout go to the real sgemm unchanged, found with dlsym(RTLD_NEXT) behind LD_PRELOAD.
+ * layout go to the real sgemm unchanged, found with dlsym(RTLD_NEXT) behind LD_PRELOAD
+ * (without one, this computes the two layouts for any M and aborts on the others).
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -39,8 +43,8 @@
 #endif
 
 #define EXACT_GEMM_MAX_ROWS 64
-#define SPIN_NS 200000L   /* a worker spins this long for the next call before sleeping */
-#define SOLO_CALLS 256      /* after a call waited on a descheduled worker, calls run alone */
+#define SPIN_NS 200000L    /* a worker spins this long for the next call before sleeping */
+#define SOLO_CALLS 256     /* after a call waited on a descheduled worker, calls run alone */
 #define CHUNK_COST 400000L /* rows (at least 4) x k x columns per claimed chunk (~20 us) */
 
 const char exact_gemm_version[] = "exact-gemm kernel 1 (max rows 64, 8-lane mul+add)";
