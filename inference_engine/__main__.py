@@ -30,7 +30,10 @@ def main(argv: list[str] | None = None) -> int:
     for command in commands.values():
         add_logging_flags(command)
     args = parser.parse_args(argv)
-    reexec_with_openblas(["-m", "inference_engine", *argv])
+    try:
+        reexec_with_openblas(["-m", "inference_engine", *argv])
+    except ValueError as exc:  # an unknown INFERENCE_ENGINE_KERNEL
+        parser.error(str(exc))
     configure_logging(args.log_level, args.log_format)
     if args.command == "prepare-model":
         from inference_engine.model.packaged import ensure_packaged_model

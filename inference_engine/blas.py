@@ -1,20 +1,27 @@
 """Fast BLAS for MLX on Linux: find Debian's OpenBLAS, preload it, and report what is active.
 
 MLX's Linux CPU wheel links a slow reference BLAS; interposing OpenBLAS through
-LD_PRELOAD (set before MLX loads) makes matmuls ~40x faster. In front of it goes the
-row-gemv interposer (native/row_gemv.c, compiled once with the system C compiler into the
-cache folder): calls of at most 16 rows run one sgemv per row, 2x faster for decode and
-row-invariant by construction. Only the launcher calls `reexec_with_openblas`; on macOS
-nothing happens (MLX uses Accelerate/Metal).
+LD_PRELOAD (set before MLX loads) makes matmuls ~40x faster. In front of it goes a
+cblas_sgemm kernel compiled once with the system C compiler into the cache folder,
+chosen by INFERENCE_ENGINE_KERNEL (read here only):
+- exact_gemm (default, native/exact_gemm.c): calls of at most 64 rows computed by a
+  kernel whose rows are bitwise independent of their block by construction, each weight
+  read once per call;
+- row_gemv (native/row_gemv.c): calls of at most 16 rows run one OpenBLAS sgemv per row;
+- openblas (or INFERENCE_ENGINE_NO_ROW_GEMV=1): OpenBLAS alone (row-invariant up to ~12 rows).
+Only the launcher calls `reexec_with_openblas`; on macOS nothing happens (MLX uses
+Accelerate/Metal).
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 OPENBLAS_CANDIDATES = (
@@ -23,8 +30,30 @@ OPENBLAS_CANDIDATES = (
     "/usr/lib64/libopenblas.so.0",
 )
 _REEXEC_MARK = "INFERENCE_ENGINE_BLAS_REEXEC"
-_ROW_GEMV_SOURCE = Path(__file__).resolve().parent / "native" / "row_gemv.c"
-ROW_GEMV_TAG = "row_gemv"  # file-name prefix of the compiled interposer (what active_blas looks for)
+_NATIVE = Path(__file__).resolve().parent / "native"
+KERNEL_ENV = "INFERENCE_ENGINE_KERNEL"  # which cblas_sgemm goes in front of OpenBLAS (read here only)
+DEFAULT_KERNEL = "exact_gemm"
+
+
+@dataclass(frozen=True)
+class Interposer:
+    """A cblas_sgemm interposer compiled from native/<name>.c and preloaded before OpenBLAS."""
+
+    name: str  # file-name prefix of source and library
+    flags: tuple[str, ...]  # compiler flags besides -fPIC -shared (part of the library's hash)
+    label: str  # how build notes name it
+    version_symbol: str  # exported version string: in the global scope only when preloaded
+    reports_version: bool  # active_blas names it by its version string (else by its label)
+
+
+INTERPOSERS = {
+    # -ffp-contract=off: a multiply and an add rounded separately, never an FMA (see the source).
+    "exact_gemm": Interposer("exact_gemm", ("-O3", "-ffp-contract=off", "-lpthread", "-ldl"), "exact-gemm kernel",
+                             "exact_gemm_version", reports_version=True),
+    "row_gemv": Interposer("row_gemv", ("-O2", "-ldl"), "row-gemv interposer", "row_gemv_version",
+                           reports_version=False),
+}
+KERNELS = (*INTERPOSERS, "openblas")  # the choices of INFERENCE_ENGINE_KERNEL
 
 
 def find_openblas() -> str | None:
@@ -32,51 +61,73 @@ def find_openblas() -> str | None:
     return next((p for p in OPENBLAS_CANDIDATES if Path(p).is_file()), None)
 
 
-def row_gemv_library(cache_dir: Path | None = None) -> str | None:
-    """Path of the compiled row-gemv interposer, building it on first use.
+def selected_kernel() -> str:
+    """The kernel in front of OpenBLAS: $INFERENCE_ENGINE_KERNEL, default exact_gemm.
 
-    Built with $CC (default `cc`) into <cache>/native/, named by the source's hash so an
-    edited source is rebuilt. Returns None (the caller then preloads OpenBLAS alone) when
-    INFERENCE_ENGINE_NO_ROW_GEMV=1 or no compiler is available or the build fails.
+    INFERENCE_ENGINE_NO_ROW_GEMV=1 (the older switch) means openblas.
+
+    Raises:
+        ValueError: INFERENCE_ENGINE_KERNEL names no known kernel.
     """
     if os.environ.get("INFERENCE_ENGINE_NO_ROW_GEMV") == "1":
+        return "openblas"
+    kernel = os.environ.get(KERNEL_ENV) or DEFAULT_KERNEL
+    if kernel not in KERNELS:
+        raise ValueError(f"{KERNEL_ENV}={kernel!r} is not a kernel; choose one of {', '.join(KERNELS)}")
+    return kernel
+
+
+def kernel_library(kernel: str, cache_dir: Path | None = None) -> str | None:
+    """Path of the compiled interposer `kernel`, building it on first use.
+
+    Built with $CC (default `cc`) into <cache>/native/, named by the hash of source and
+    flags so an edited source is rebuilt. Returns None (the caller then preloads OpenBLAS
+    alone) for "openblas", or when no compiler is available or the build fails.
+    """
+    if kernel not in INTERPOSERS:
         return None
+    spec = INTERPOSERS[kernel]
     if cache_dir is None:
         from inference_engine.config import default_cache_dir
 
         cache_dir = default_cache_dir()
-    source = _ROW_GEMV_SOURCE.read_bytes()
-    target = cache_dir / "native" / f"{ROW_GEMV_TAG}-{hashlib.sha256(source).hexdigest()[:12]}.so"
+    source = _NATIVE / f"{spec.name}.c"
+    digest = hashlib.sha256(source.read_bytes() + " ".join(spec.flags).encode()).hexdigest()[:12]
+    target = cache_dir / "native" / f"{spec.name}-{digest}.so"
     if target.is_file():
         return str(target)
     cc = shutil.which(os.environ.get("CC", "cc"))
     if cc is None:
-        print(f"note: no C compiler ({os.environ.get('CC', 'cc')}); running without the row-gemv interposer",
-              file=sys.stderr)
+        print(f"note: no C compiler ({os.environ.get('CC', 'cc')}); running without the {spec.label}", file=sys.stderr)
         return None
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_suffix(f".{os.getpid()}.partial")
-    cmd = [cc, "-O2", "-fPIC", "-shared", "-o", str(partial), str(_ROW_GEMV_SOURCE), "-ldl"]
+    cmd = [cc, "-fPIC", "-shared", "-o", str(partial), str(source), *spec.flags]
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
-        print(f"note: building the row-gemv interposer failed; running without it:\n{result.stderr}", file=sys.stderr)
+        print(f"note: building the {spec.label} failed; running without it:\n{result.stderr}", file=sys.stderr)
         partial.unlink(missing_ok=True)
         return None
     partial.replace(target)  # atomic: concurrent launchers never load a half-written file
     return str(target)
 
 
+def interposer_library(cache_dir: Path | None = None) -> str | None:
+    """The selected kernel's compiled interposer (None: OpenBLAS alone)."""
+    return kernel_library(selected_kernel(), cache_dir)
+
+
 def preload_libraries() -> list[str]:
-    """What the launcher puts in LD_PRELOAD, in order: [row-gemv interposer,] OpenBLAS; [] if none."""
+    """What the launcher puts in LD_PRELOAD, in order: [kernel interposer,] OpenBLAS; [] if none."""
     lib = find_openblas()
     if lib is None:
         return []
-    interposer = row_gemv_library()
+    interposer = interposer_library()
     return [interposer, lib] if interposer else [lib]
 
 
 def reexec_with_openblas(argv: list[str]) -> None:
-    """Re-exec this Python process once with OpenBLAS (and the interposer) preloaded (Linux only).
+    """Re-exec this Python process once with OpenBLAS (and the selected kernel) preloaded (Linux only).
 
     Returns normally (no re-exec) on non-Linux systems, when OpenBLAS is already preloaded,
     when no OpenBLAS is installed, or when INFERENCE_ENGINE_NO_OPENBLAS=1.
@@ -103,11 +154,26 @@ def active_blas() -> str:
         return "unknown"
     libs = sorted({line.split()[-1] for line in maps.splitlines() if "blas" in line.lower() and "/" in line})
     openblas = [lib for lib in libs if "openblas" in lib]
-    interposer = any(f"/{ROW_GEMV_TAG}-" in line for line in maps.splitlines())
-    if openblas:
-        return f"openblas: {openblas[0]}" + (" + row-gemv interposer" if interposer else "")
-    return f"reference: {', '.join(libs) or 'bundled'}"
+    if not openblas:
+        return f"reference: {', '.join(libs) or 'bundled'}"
+    front = next(filter(None, map(_preloaded_version, INTERPOSERS.values())), "")
+    return f"openblas: {openblas[0]}" + (f" + {front}" if front else "")
+
+
+def _preloaded_version(spec: Interposer) -> str | None:
+    """How active_blas names `spec` if it is preloaded (its symbols are global), else None.
+
+    A copy loaded privately (ctypes, a test) is mapped but computes nobody's matmuls.
+    """
+    try:
+        version = ctypes.c_char.in_dll(ctypes.CDLL(None), spec.version_symbol)
+    except ValueError:
+        return None
+    return ctypes.string_at(ctypes.addressof(version)).decode() if spec.reports_version else spec.label
 
 
 if __name__ == "__main__":  # `python -m inference_engine.blas`: the LD_PRELOAD value scripts use
-    print(":".join(preload_libraries()) if sys.platform.startswith("linux") else "")
+    try:
+        print(":".join(preload_libraries()) if sys.platform.startswith("linux") else "")
+    except ValueError as exc:
+        sys.exit(f"error: {exc}")

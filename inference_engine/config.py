@@ -17,7 +17,7 @@ from inference_engine.security.flags import (
 )
 from inference_engine.security.settings import ClientSecurity, ServerSecurity
 
-DEFAULT_MAX_TILE = 16  # largest block size the start-up probe tries (server and shard workers alike)
+DEFAULT_MAX_TILE = 64  # largest block size the start-up probe tries (server and shard workers alike)
 
 
 def default_cache_dir() -> Path:

@@ -81,6 +81,14 @@ def test_reexec_preloads_openblas_without_ld_preload(real_model_path):
     assert "BLAS in use: openblas" in err and "plain mode" in err
 
 
+@linux_openblas
+def test_unknown_kernel_is_a_usage_error():
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "INFERENCE_ENGINE_NO_ROW_GEMV")}
+    env["INFERENCE_ENGINE_KERNEL"] = "fast"
+    out = subprocess.run([sys.executable, "-m", "inference_engine", "serve"], env=env, capture_output=True, text=True)
+    assert out.returncode == 2 and "INFERENCE_ENGINE_KERNEL='fast' is not a kernel" in out.stderr
+
+
 def test_bad_flag_is_a_usage_error():
     out = subprocess.run([sys.executable, "-m", "inference_engine", "serve", "--max-sessions", "0"], capture_output=True, text=True)
     assert out.returncode == 2 and "--max-sessions" in out.stderr

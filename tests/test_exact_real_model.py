@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from inference_engine.blas import active_blas
+from inference_engine.config import ServerConfig
 from inference_engine.runtime.engine import Engine
 from inference_engine.v1 import runtime_pb2 as pb
 from tests.blas_env import EXPECTED_BLAS, linux_openblas
@@ -17,7 +18,16 @@ from tests.exactness import chunkings, feed
 pytestmark = pytest.mark.real_model
 
 SINK, WINDOW, N = 4, 32, 120
-CHUNKINGS = {**chunkings(N), "straddle wrap": [30, 10, 80], "tile edges": [11, 12, 13, 1, 24, 59]}
+CHUNKINGS = {**chunkings(N), "straddle wrap": [30, 10, 80], "tile edges": [11, 12, 13, 1, 24, 59],
+             "64-row edges": [63, 1, 1, 55], "past 64": [65, 55]}
+
+
+@pytest.fixture(scope="module")
+def real_engine(real_model):
+    """The exact engine at the server's default largest tile (64), not conftest's 16."""
+    e = Engine(real_model, exact=True, max_tile=ServerConfig().max_tile, plain_block=64, max_rollback=8)
+    yield e
+    e.close()
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +43,8 @@ def reference(real_engine, tokens):
 def test_openblas_is_active_and_tile_probed(real_engine):
     assert active_blas().startswith(EXPECTED_BLAS), "the battery must run on the platform's fast BLAS"
     assert real_engine.is_exact and real_engine.block >= 2
+    if "exact-gemm kernel" in active_blas():  # row-invariant by construction up to 64 rows
+        assert real_engine.block == 64
 
 
 @pytest.mark.parametrize("name", sorted(CHUNKINGS))
@@ -86,9 +98,12 @@ async def test_two_sessions_through_server(real_engine, tokens):
 
 @linux_openblas
 def test_negative_control_plain_path_mismatches(real_model, tokens):
-    """With the exact path off (64-row blocks), chunking changes the bits under OpenBLAS."""
+    """With the exact path off (128-row blocks), chunking changes the bits under OpenBLAS.
+
+    Blocks of more than 64 rows: the exact-gemm kernel hands those to OpenBLAS's sgemm.
+    """
     assert active_blas().startswith("openblas")
-    plain = Engine(real_model, exact=False, max_tile=16, plain_block=64, max_rollback=8)
+    plain = Engine(real_model, exact=False, max_tile=16, plain_block=128, max_rollback=8)
     digests = {name: feed(plain, tokens, CHUNKINGS[name], SINK, WINDOW).state_digest() for name in ("1xN", "random0", "4 uneven")}
     assert len(set(digests.values())) > 1, digests
 

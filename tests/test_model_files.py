@@ -127,7 +127,7 @@ def test_reexec_decisions(monkeypatch):
     blas.reexec_with_openblas(["-m", "x"])
     (exe, argv, env), = calls
     libs = env["LD_PRELOAD"].split(":")
-    assert libs == [blas.row_gemv_library(), blas.find_openblas(), "/x/other.so"]  # interposer first, then OpenBLAS
+    assert libs == [blas.interposer_library(), blas.find_openblas(), "/x/other.so"]  # kernel first, then OpenBLAS
     calls.clear()
     monkeypatch.setenv("INFERENCE_ENGINE_NO_ROW_GEMV", "1")
     blas.reexec_with_openblas(["-m", "x"])

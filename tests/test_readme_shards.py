@@ -13,7 +13,9 @@ import grpc
 import numpy as np
 import pytest
 
+from inference_engine.config import DEFAULT_MAX_TILE
 from inference_engine.readiness import wait_ready
+from inference_engine.runtime.engine import Engine
 from inference_engine.v1 import runtime_pb2 as pb
 from inference_engine.v1 import runtime_pb2_grpc as pb_grpc
 from tests.conftest import running_server
@@ -40,7 +42,7 @@ async def _tokens(stub: pb_grpc.RuntimeServiceStub) -> tuple[list[int], str]:
     return out, info.state_digest
 
 
-async def test_readme_shard_example_serves_as_written(real_engine):
+async def test_readme_shard_example_serves_as_written(real_model):
     lines = readme_shard_lines()
     assert len(lines) == 4 and lines[-1].split("#")[0].strip().endswith("serve --shards 127.0.0.1:7001,127.0.0.1:7002,127.0.0.1:7003")
     script = "\n".join(lines) + "\n"
@@ -57,5 +59,9 @@ async def test_readme_shard_example_serves_as_written(real_engine):
         watchdog.cancel()
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=60)
-    async with running_server(real_engine) as (stub, _):
-        assert routed == await _tokens(stub)  # the route is bitwise the single process
+    engine = Engine(real_model, exact=True, max_tile=DEFAULT_MAX_TILE, plain_block=64, max_rollback=8)
+    try:  # the server's own defaults, in one process
+        async with running_server(engine) as (stub, _):
+            assert routed == await _tokens(stub)  # the route is bitwise the single process
+    finally:
+        engine.close()

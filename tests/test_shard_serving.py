@@ -155,7 +155,7 @@ async def test_spawned_worker_killed_mid_generate_continues_exactly(real_model_p
     with open(log_path, "w") as log_file:
         server = subprocess.Popen(
             [sys.executable, "-m", "inference_engine", "serve", "--port", "0", "--spawn-shards", ",".join(RANGES),
-             "--draft-model", "none", "--max-sessions", "2", "--grace", "1"],
+             "--draft-model", "none", "--max-sessions", "2", "--grace", "1", "--max-tile", "16"],  # single_process's
             stdout=subprocess.PIPE, stderr=log_file, text=True,
         )
     try:

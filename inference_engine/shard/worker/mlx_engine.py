@@ -62,7 +62,7 @@ class MlxShardEngine(ShardEngine):
         layers: LayerRange,
         *,
         block: int = 0,
-        max_tile: int = 16,
+        max_tile: int = 64,
         max_rollback: int = 8,
         max_sessions: int = 8,
         max_sink: int = 64,

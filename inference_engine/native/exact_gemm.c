@@ -1,0 +1,457 @@
+/*
+ * exact_gemm: a row-invariant cblas_sgemm for blocks of up to 64 rows (Linux launcher only).
+ *
+ * Why a row's bits cannot depend on its block: every output C[i,n] is reduced by one fixed
+ * sequence of fp32 operations that depends only on K, alpha, beta and the two input rows,
+ * never on M, on i, on which micro-kernel computed it nor on which thread: lane j of an
+ * 8-lane accumulator sums a[k]*b[k] for k = j, j+8, ... in increasing k (a zero-padded last
+ * step for K % 8), then the lanes are added in one fixed tree, then alpha and beta are
+ * applied. Threads (the caller and a small pool) claim chunks of output columns, never of
+ * K. Every micro-kernel (1x8, RxC tiles) instantiates the same per-element code; tiling only
+ * decides which weights are reused from registers and L1, i.e. a weight row is read from
+ * memory once per call, not once per row.
+ *
+ * Arithmetic: explicit 8-lane GCC vectors, a multiply and an add rounded separately
+ * (built with -ffp-contract=off; no FMA anywhere), so SSE2, AVX2 and AVX-512 machines give
+ * the same bits. No -march=native (a cached build may meet another CPU): on x86-64 the two
+ * column loops get an AVX2 clone chosen at load time (target_clones), which changes the
+ * instructions, not the operations. `dot_step` and `hsum8` are the whole per-element
+ * arithmetic, to be shared by a future quantized (d*q + m) kernel.
+ *
+ * Cases: RowMajor, A not transposed, B transposed (MLX's x @ W.T: each output is the dot
+ * product of two contiguous rows) or not (attention's weights @ values: one sequential
+ * chain per element, k = 0..K-1). Calls with more rows (plain-mode prefill) and any other
+ * layout go to the real sgemm unchanged, found with dlsym(RTLD_NEXT) behind LD_PRELOAD
+ * (without one, this computes the two layouts for any M and aborts on the others).
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <float.h>
+#include <pthread.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#if FLT_EVAL_METHOD != 0
+#error "exact_gemm needs fp32 arithmetic without excess precision"
+#endif
+
+#define EXACT_GEMM_MAX_ROWS 64
+#define SPIN_NS 200000L    /* a worker spins this long for the next call before sleeping */
+#define SOLO_CALLS 256     /* after a call waited on a descheduled worker, calls run alone */
+#define CHUNK_COST 400000L /* rows (at least 4) x k x columns per claimed chunk (~20 us) */
+
+const char exact_gemm_version[] = "exact-gemm kernel 1 (max rows 64, 8-lane mul+add)";
+
+enum { ROW_MAJOR = 101 };
+enum { NO_TRANS = 111, TRANS = 112 };
+
+typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int, const float *, int,
+                         float, float *, int);
+static sgemm_fn real_sgemm;
+
+#if defined(__x86_64__) && !defined(__AVX2__)
+#define KERNEL __attribute__((target_clones("avx2", "default")))
+#else
+#define KERNEL
+#endif
+#define INLINE static inline __attribute__((always_inline))
+#pragma GCC diagnostic ignored "-Wpsabi" /* 32-byte vectors never cross a non-inlined call */
+
+typedef float v8 __attribute__((vector_size(32)));
+
+/* ------------------------------------------------------------------ per-element arithmetic */
+
+INLINE v8 load8(const float *p) {
+    v8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+INLINE v8 load_tail(const float *p, int n) { /* n < 8 floats, zero-padded */
+    v8 v = {0};
+    for (int j = 0; j < n; ++j)
+        v[j] = p[j];
+    return v;
+}
+
+INLINE v8 dot_step(v8 acc, v8 x, v8 w) { return acc + x * w; } /* two roundings, never fused */
+
+INLINE float hsum8(v8 v) { return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7])); }
+
+INLINE float scale_add(float s, float alpha, float beta, const float *c) {
+    if (alpha != 1.0f)
+        s = alpha * s;
+    return beta == 0.0f ? s : s + beta * *c; /* beta == 0: C may be fresh memory (NaN), never read */
+}
+
+/* --------------------------------------------------------------- B transposed: rows . rows */
+
+struct job {
+    int trans_b, m, n, k;
+    float alpha, beta;
+    const float *a, *b;
+    float *c;
+    size_t lda, ldb, ldc;
+};
+
+/* R rows of A x C rows of B, full K: every weight vector loaded once feeds R rows. `pf`: the
+ * weight rows this thread reads next (prefetched while these are multiplied), or NULL. */
+#define TILE_NT(R, C)                                                                              \
+    INLINE void tile_nt_##R##x##C(const struct job *j, int i0, int n0, const float *pf) {        \
+        const float *a = j->a + (size_t)i0 * j->lda, *b = j->b + (size_t)n0 * j->ldb;             \
+        v8 acc[R][C];                                                                              \
+        for (int r = 0; r < R; ++r)                                                                \
+            for (int c = 0; c < C; ++c)                                                            \
+                acc[r][c] = (v8){0};                                                               \
+        int k = 0;                                                                                 \
+        for (; k + 8 <= j->k; k += 8) {                                                            \
+            v8 w[C];                                                                               \
+            for (int c = 0; c < C; ++c) {                                                          \
+                w[c] = load8(b + c * j->ldb + k);                                                  \
+                if (pf)                                                                            \
+                    __builtin_prefetch(pf + c * j->ldb + k);                                       \
+            }                                                                                      \
+            for (int r = 0; r < R; ++r) {                                                          \
+                v8 x = load8(a + r * j->lda + k);                                                  \
+                for (int c = 0; c < C; ++c)                                                        \
+                    acc[r][c] = dot_step(acc[r][c], x, w[c]);                                      \
+            }                                                                                      \
+        }                                                                                          \
+        if (k < j->k)                                                                              \
+            for (int r = 0; r < R; ++r)                                                            \
+                for (int c = 0; c < C; ++c)                                                        \
+                    acc[r][c] = dot_step(acc[r][c], load_tail(a + r * j->lda + k, j->k - k),       \
+                                         load_tail(b + c * j->ldb + k, j->k - k));                 \
+        for (int r = 0; r < R; ++r)                                                                \
+            for (int c = 0; c < C; ++c) {                                                          \
+                float *out = j->c + (size_t)(i0 + r) * j->ldc + n0 + c;                            \
+                *out = scale_add(hsum8(acc[r][c]), j->alpha, j->beta, out);                        \
+            }                                                                                      \
+    }
+
+TILE_NT(1, 1)
+TILE_NT(1, 2)
+TILE_NT(1, 3)
+TILE_NT(2, 1)
+TILE_NT(2, 2)
+TILE_NT(2, 3)
+TILE_NT(3, 1)
+TILE_NT(3, 2)
+TILE_NT(3, 3)
+TILE_NT(4, 1)
+TILE_NT(4, 2)
+TILE_NT(4, 3)
+TILE_NT(1, 8)
+
+/* The tile of `rows` x `cols` at (i, n); inlined, so each clone of the caller gets its own. */
+INLINE void tile_nt(const struct job *j, int rows, int cols, int i, int n, const float *pf) {
+    switch (rows * 4 + cols) {
+    case 5: tile_nt_1x1(j, i, n, pf); break;
+    case 6: tile_nt_1x2(j, i, n, pf); break;
+    case 7: tile_nt_1x3(j, i, n, pf); break;
+    case 9: tile_nt_2x1(j, i, n, pf); break;
+    case 10: tile_nt_2x2(j, i, n, pf); break;
+    case 11: tile_nt_2x3(j, i, n, pf); break;
+    case 13: tile_nt_3x1(j, i, n, pf); break;
+    case 14: tile_nt_3x2(j, i, n, pf); break;
+    case 15: tile_nt_3x3(j, i, n, pf); break;
+    case 17: tile_nt_4x1(j, i, n, pf); break;
+    case 18: tile_nt_4x2(j, i, n, pf); break;
+    default: tile_nt_4x3(j, i, n, pf); break;
+    }
+}
+
+/* Columns [n0, n1) of every row. One row: 8 weight rows in flight (memory-bound; the
+ * hardware prefetcher keeps up). More rows: 3 weight rows at a time against every 4-row
+ * group of A; they stay in L1 from the first group on, and the next 3 are prefetched
+ * meanwhile, so memory and arithmetic overlap. */
+KERNEL static void run_nt(const struct job *j, int n0, int n1) {
+    int n = n0;
+    if (j->m == 1) {
+        for (; n + 8 <= n1; n += 8)
+            tile_nt_1x8(j, 0, n, NULL);
+        for (; n < n1; n += 3)
+            tile_nt(j, 1, n1 - n < 3 ? n1 - n : 3, 0, n, NULL);
+        return;
+    }
+    for (; n < n1; n += 3) {
+        int cols = n1 - n < 3 ? n1 - n : 3;
+        const float *pf = n + 6 <= n1 ? j->b + (size_t)(n + 3) * j->ldb : NULL;
+        for (int i = 0; i < j->m; i += 4)
+            tile_nt(j, j->m - i < 4 ? j->m - i : 4, cols, i, n, pf);
+    }
+}
+
+/* ------------------------------------------------------------ B not transposed: row x cols */
+
+/* R rows of A x 8*C columns of B: one sequential chain over k per element. */
+#define TILE_NN(R, C)                                                                              \
+    INLINE void tile_nn_##R##x##C(const struct job *j, int i0, int n0) {                          \
+        const float *a = j->a + (size_t)i0 * j->lda, *b = j->b + n0;                              \
+        v8 acc[R][C];                                                                              \
+        for (int r = 0; r < R; ++r)                                                                \
+            for (int c = 0; c < C; ++c)                                                            \
+                acc[r][c] = (v8){0};                                                               \
+        for (int k = 0; k < j->k; ++k) {                                                           \
+            v8 w[C];                                                                               \
+            for (int c = 0; c < C; ++c)                                                            \
+                w[c] = load8(b + (size_t)k * j->ldb + 8 * c);                                      \
+            for (int r = 0; r < R; ++r) {                                                          \
+                float s = a[r * j->lda + k];                                                   \
+                v8 x = {s, s, s, s, s, s, s, s};                                                \
+                for (int c = 0; c < C; ++c)                                                        \
+                    acc[r][c] = dot_step(acc[r][c], x, w[c]);                                      \
+            }                                                                                      \
+        }                                                                                          \
+        for (int r = 0; r < R; ++r)                                                                \
+            for (int c = 0; c < C; ++c)                                                            \
+                for (int l = 0; l < 8; ++l) {                                                      \
+                    float *out = j->c + (size_t)(i0 + r) * j->ldc + n0 + 8 * c + l;                \
+                    *out = scale_add(acc[r][c][l], j->alpha, j->beta, out);                        \
+                }                                                                                  \
+    }
+
+TILE_NN(1, 1)
+TILE_NN(1, 2)
+TILE_NN(2, 1)
+TILE_NN(2, 2)
+TILE_NN(3, 1)
+TILE_NN(3, 2)
+TILE_NN(4, 1)
+TILE_NN(4, 2)
+
+INLINE void tile_nn(const struct job *j, int rows, int vecs, int i, int n) {
+    switch (rows * 2 + vecs) {
+    case 3: tile_nn_1x1(j, i, n); break;
+    case 4: tile_nn_1x2(j, i, n); break;
+    case 5: tile_nn_2x1(j, i, n); break;
+    case 6: tile_nn_2x2(j, i, n); break;
+    case 7: tile_nn_3x1(j, i, n); break;
+    case 8: tile_nn_3x2(j, i, n); break;
+    case 9: tile_nn_4x1(j, i, n); break;
+    default: tile_nn_4x2(j, i, n); break;
+    }
+}
+
+/* One column of one row: the same chain as a vector lane, in scalar code. */
+static void column_nn(const struct job *j, int i, int n) {
+    float s = 0.0f;
+    for (int k = 0; k < j->k; ++k)
+        s = s + j->a[(size_t)i * j->lda + k] * j->b[(size_t)k * j->ldb + n];
+    float *out = j->c + (size_t)i * j->ldc + n;
+    *out = scale_add(s, j->alpha, j->beta, out);
+}
+
+KERNEL static void run_nn(const struct job *j, int n0, int n1) {
+    int n = n0;
+    for (; n + 8 <= n1; n += 8 * (n + 16 <= n1 ? 2 : 1))
+        for (int i = 0; i < j->m; i += 4)
+            tile_nn(j, j->m - i < 4 ? j->m - i : 4, n + 16 <= n1 ? 2 : 1, i, n);
+    for (; n < n1; ++n)
+        for (int i = 0; i < j->m; ++i)
+            column_nn(j, i, n);
+}
+
+/* ------------------------------------------------------------------------- the thread pool */
+
+/* A pooled call is cut into chunks of whole 24-column groups, which the caller and the
+ * workers claim one at a time. Which thread computes a column never changes its bits, so
+ * the claiming may be as dynamic as it likes: a worker that is descheduled (a busy
+ * machine) or asleep simply gets fewer chunks, and the caller never waits for work that
+ * nobody has started. */
+static void run_columns(const struct job *j, int n0, int n1) { (j->trans_b ? run_nt : run_nn)(j, n0, n1); }
+
+#define TICKET(gen, next, count) ((uint64_t)(gen) << 32 | (uint64_t)(next) << 16 | (uint64_t)(count))
+#define GEN(t) ((uint32_t)((t) >> 32))
+
+static struct {
+    pthread_mutex_t call;       /* one pooled call at a time; a concurrent caller runs inline */
+    pthread_mutex_t sleep_lock; /* with `wake`: idle workers sleep here */
+    pthread_cond_t wake;
+    pthread_once_t once;
+    int threads;                /* caller included */
+    int chunk;                  /* columns per chunk of the current call */
+    int solo;                   /* calls the caller computes alone before trying the workers again */
+    struct job job;             /* the current call */
+    atomic_int sleepers;        /* workers asleep (or about to be) */
+    /* Written while the others compute: lines of their own, away from `job`. */
+    _Alignas(64) _Atomic uint64_t ticket; /* call generation << 32 | next chunk << 16 | chunks */
+    _Alignas(64) atomic_int done;         /* chunks of the current call finished */
+    char pad[60];
+} pool = {.call = PTHREAD_MUTEX_INITIALIZER, .sleep_lock = PTHREAD_MUTEX_INITIALIZER,
+          .wake = PTHREAD_COND_INITIALIZER, .once = PTHREAD_ONCE_INIT};
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+static long now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1000000000L + t.tv_nsec;
+}
+
+/* Claim and compute chunks of call `gen` until none is left. A claim succeeds only while
+ * the ticket still belongs to `gen`, and a call is not over (its job not replaced) until
+ * every claimed chunk is done, so a late worker can never compute a stale job. */
+static void work(uint32_t gen) {
+    uint64_t t = atomic_load(&pool.ticket);
+    for (;;) {
+        int next = (int)(t >> 16 & 0xffff), count = (int)(t & 0xffff);
+        if (GEN(t) != gen || next >= count)
+            return;
+        if (!atomic_compare_exchange_weak(&pool.ticket, &t, t + (1u << 16)))
+            continue; /* t now holds the current ticket */
+        struct job j = pool.job; /* a private copy: the tiles read it in their loops */
+        int n0 = next * pool.chunk, n1 = n0 + pool.chunk < j.n ? n0 + pool.chunk : j.n;
+        run_columns(&j, n0, n1);
+        atomic_fetch_add(&pool.done, 1);
+        t = atomic_load(&pool.ticket);
+    }
+}
+
+static void *worker(void *arg) {
+    (void)arg;
+    uint32_t seen = GEN(atomic_load(&pool.ticket));
+    for (;;) {
+        uint32_t gen;
+        long start = now_ns();
+        for (int spins = 1; (gen = GEN(atomic_load(&pool.ticket))) == seen; ++spins) {
+            cpu_relax();
+            if (spins % 256 == 0 && now_ns() - start > SPIN_NS)
+                break;
+        }
+        if (gen == seen) { /* idle: sleep until a call wakes us (a missed wake-up only costs help) */
+            pthread_mutex_lock(&pool.sleep_lock);
+            atomic_fetch_add(&pool.sleepers, 1);
+            while ((gen = GEN(atomic_load(&pool.ticket))) == seen)
+                pthread_cond_wait(&pool.wake, &pool.sleep_lock);
+            atomic_fetch_sub(&pool.sleepers, 1);
+            pthread_mutex_unlock(&pool.sleep_lock);
+        }
+        seen = gen;
+        work(gen);
+    }
+    return NULL;
+}
+
+static int thread_count(void) {
+    const char *env = getenv("EXACT_GEMM_NUM_THREADS");
+    if (env && atoi(env) >= 1)
+        return atoi(env) > 64 ? 64 : atoi(env);
+    cpu_set_t set;
+    int n = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : (int)sysconf(_SC_NPROCESSORS_ONLN);
+    return n < 1 ? 1 : n > 64 ? 64 : n;
+}
+
+static void start_pool(void) {
+    pool.threads = thread_count();
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old); /* workers never take the process's signals */
+    for (int i = 1; i < pool.threads; ++i) {
+        pthread_t t;
+        if (pthread_create(&t, &attr, worker, NULL) != 0) {
+            pool.threads = i;
+            break;
+        }
+    }
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    pthread_attr_destroy(&attr);
+}
+
+static void after_fork_in_child(void) { /* the workers did not survive the fork: start afresh */
+    pthread_mutex_init(&pool.call, NULL);
+    pthread_mutex_init(&pool.sleep_lock, NULL);
+    pthread_cond_init(&pool.wake, NULL);
+    pool.once = (pthread_once_t)PTHREAD_ONCE_INIT;
+    atomic_store(&pool.sleepers, 0);
+}
+
+static void run(const struct job *j) {
+    /* Small products (attention's per-head matmuls) are not worth sharing. */
+    if ((double)j->m * j->n * j->k < 65536.0 || j->n < 48) {
+        run_columns(j, 0, j->n);
+        return;
+    }
+    pthread_once(&pool.once, start_pool);
+    if (pool.threads == 1 || pthread_mutex_trylock(&pool.call) != 0) {
+        run_columns(j, 0, j->n); /* another thread holds the pool: same bits, computed here */
+        return;
+    }
+    if (pool.solo > 0) { /* the workers lost their cores lately: do not wait on them */
+        --pool.solo;
+        pthread_mutex_unlock(&pool.call);
+        run_columns(j, 0, j->n);
+        return;
+    }
+    long start = now_ns();
+    /* At least 4 chunks per thread (balance), each at most ~CHUNK_COST (few rows cost their
+     * weight bytes, more rows their multiply-adds): a worker that loses its core mid-chunk
+     * keeps the caller waiting for at most that much work (the caller yields meanwhile).
+     * Whole tiles: 8 columns for one row, 24 (the 1x8 and xC tiles) otherwise. */
+    long cols = CHUNK_COST / ((long)(j->m > 4 ? j->m : 4) * (j->k ? j->k : 1));
+    long share = (j->n + 4L * pool.threads - 1) / (4L * pool.threads);
+    long unit = j->m == 1 ? 8 : 24;
+    cols = cols < share ? cols : share;
+    pool.chunk = (int)((cols + unit - 1) / unit * unit);
+    int count = (j->n + pool.chunk - 1) / pool.chunk;
+    pool.job = *j;
+    atomic_store(&pool.done, 0);
+    uint32_t gen = GEN(atomic_load(&pool.ticket)) + 1;
+    atomic_store(&pool.ticket, TICKET(gen, 0, count)); /* publishes job and chunk */
+    if (atomic_load(&pool.sleepers)) {
+        pthread_mutex_lock(&pool.sleep_lock);
+        pthread_cond_broadcast(&pool.wake);
+        pthread_mutex_unlock(&pool.sleep_lock);
+    }
+    work(gen);
+    long own = now_ns();
+    for (int spins = 1; atomic_load(&pool.done) < count; ++spins) /* chunks a worker still computes */
+        if (spins % 1024 == 0)
+            sched_yield();
+        else
+            cpu_relax();
+    long end = now_ns();
+    if (end - own > (end - start) / 4 && end - own > 50000)
+        pool.solo = SOLO_CALLS; /* waited long for a descheduled worker: a busy machine */
+    pthread_mutex_unlock(&pool.call);
+}
+
+/* ------------------------------------------------------------------------------- the entry */
+
+__attribute__((constructor)) static void find_real_blas(void) {
+    real_sgemm = (sgemm_fn)dlsym(RTLD_NEXT, "cblas_sgemm");
+    pthread_atfork(NULL, NULL, after_fork_in_child);
+}
+
+void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float alpha, const float *a,
+                 int lda, const float *b, int ldb, float beta, float *c, int ldc) {
+    int ours = order == ROW_MAJOR && trans_a == NO_TRANS && (trans_b == TRANS || trans_b == NO_TRANS);
+    if (ours && (m <= EXACT_GEMM_MAX_ROWS || !real_sgemm)) {
+        if (m <= 0 || n <= 0)
+            return;
+        struct job j = {trans_b == TRANS, m, n, k < 0 ? 0 : k, alpha, beta, a, b, c,
+                        (size_t)lda, (size_t)ldb, (size_t)ldc};
+        run(&j);
+        return;
+    }
+    if (!real_sgemm) { /* preloaded without a BLAS after it, and a layout it does not compute */
+        static const char msg[] = "exact_gemm: no cblas_sgemm to forward this call to\n";
+        write(2, msg, sizeof msg - 1);
+        abort();
+    }
+    real_sgemm(order, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
