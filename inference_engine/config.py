@@ -36,6 +36,7 @@ class ServerConfig:
     draft_model: str | None = DRAFT_MODEL  # draft model for SPECULATIVE_DRAFT; None = no draft model
     cache_dir: Path = field(default_factory=default_cache_dir)  # converted-model cache
     max_sessions: int = 8  # KV slabs in the pool
+    max_kv_bytes: int = 0  # K/V bytes all sessions may hold, draft caches included (0 = bounded by max_sessions only)
     default_sink: int = 4  # sink tokens when a session asks for 0
     default_window: int = 1024  # window tokens when a session asks for 0
     max_sink: int = 64  # largest sink a session may ask for
@@ -71,6 +72,8 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
         f"default: {DRAFT_MODEL} when serving the packaged model, else none",
     )
     parser.add_argument("--max-sessions", type=int, default=d.max_sessions)
+    parser.add_argument("--max-kv-bytes", type=int, default=d.max_kv_bytes,
+                        help="K/V bytes all sessions may hold, draft caches included (0 = no bound beyond --max-sessions)")
     parser.add_argument("--default-sink", type=int, default=d.default_sink)
     parser.add_argument("--default-window", type=int, default=d.default_window)
     parser.add_argument("--max-sink", type=int, default=d.max_sink)
@@ -121,7 +124,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     cfg = ServerConfig(
         host=args.host, port=args.port, model=args.model, cache_dir=default_cache_dir(),
         draft_model=_draft_choice(args.draft_model, args.model),
-        max_sessions=args.max_sessions, default_sink=args.default_sink, default_window=args.default_window,
+        max_sessions=args.max_sessions, max_kv_bytes=args.max_kv_bytes, default_sink=args.default_sink, default_window=args.default_window,
         max_sink=args.max_sink, max_window=args.max_window, max_rollback=args.max_rollback,
         max_tokens_per_request=args.max_tokens_per_request, max_new_tokens=args.max_new_tokens,
         session_ttl_s=args.session_ttl, exact=not args.no_exact, max_tile=args.max_tile, grace_s=args.grace,
@@ -133,6 +136,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     )
     checks = {
         "--max-sessions": cfg.max_sessions >= 1,
+        "--max-kv-bytes": cfg.max_kv_bytes >= 0,
         "--default-sink": 0 <= cfg.default_sink <= cfg.max_sink,
         "--default-window": 1 <= cfg.default_window <= cfg.max_window,
         "--max-rollback": cfg.max_rollback >= 1,

@@ -90,6 +90,18 @@ class Engine:
         """Cache geometry of a session with this sink/window on this engine."""
         return CacheGeometry(sink=sink, window=window, max_block=self.block, max_rollback=rollback_room(self.max_rollback))
 
+    def slab_bytes(self, sink: int, window: int) -> int:
+        """K/V bytes a session with this sink/window holds (wherever its layers run)."""
+        s = self.spec
+        return self.geometry(sink, window).slab_bytes(s.num_layers, s.num_kv_heads, s.head_dim)
+
+    def draft_slab_bytes(self, sink: int, window: int) -> int:
+        """K/V bytes of a session's draft-model cache (0 without a draft model)."""
+        if self.draft is None:
+            return 0
+        s = self.draft.spec
+        return self.geometry(sink, window).slab_bytes(s.num_layers, s.num_kv_heads, s.head_dim)
+
     def open_session(self, sink: int, window: int, tag: str = "") -> SessionCoordinator:
         """A new session's coordinator (allocates its KV slab, here or on the route). Engine thread."""
         return SessionCoordinator(self.backend, self.geometry(sink, window), tag)

@@ -33,6 +33,7 @@ from inference_engine.runtime.types import (
 from inference_engine.session.session import Session
 from inference_engine.session.session_store import SessionStore
 from inference_engine.short_id import short_id
+from inference_engine.verifier.sink_window_verifier import SinkWindowVerifier
 
 log = logging.getLogger(__name__)
 Emit = Callable[[GenerateChunk], Awaitable[None]]
@@ -44,15 +45,24 @@ class Runtime:
     def __init__(self, engine: Engine, config: ServerConfig):
         self.engine = engine
         self.config = config
-        self.store = SessionStore(config.max_sessions, config.session_ttl_s)
+        self.store = SessionStore(config.max_sessions, config.session_ttl_s, config.max_kv_bytes)
         self.is_shutting_down = False  # running streams end at their next step
         self.is_draining = False  # new calls are refused (running ones go on)
         self._sweeper: asyncio.Task | None = None
         self._streams: set[asyncio.Future] = set()  # running Generate jobs' `finished`
         self.drafters: dict[DecodeMode, Drafter] = {DecodeMode.SPECULATIVE_LOOKUP: PromptLookupDrafter()}
         if engine.has_draft_model:
-            self.drafters[DecodeMode.SPECULATIVE_DRAFT] = ModelDrafter(
-                lambda s: engine.make_draft_cache(s.sink, s.window))
+            self.drafters[DecodeMode.SPECULATIVE_DRAFT] = ModelDrafter(self._draft_cache)
+
+    def _draft_cache(self, session: Session) -> SinkWindowVerifier:
+        """A draft-model cache for `session`, counted in the pool (engine thread).
+
+        Raises:
+            PoolExhausted: it would exceed --max-kv-bytes.
+        """
+        replaced = session.draft.verifier.nbytes if session.draft is not None else 0
+        self.store.reserve_bytes(self.engine.draft_slab_bytes(session.sink, session.window) - replaced)
+        return self.engine.make_draft_cache(session.sink, session.window)
 
     def start(self) -> None:
         """Start the idle-session sweeper (call from the event loop)."""
@@ -100,9 +110,9 @@ class Runtime:
             EngineUnavailable: the server is shutting down.
         """
         self._check_serving()
-        self.store.reserve()
         sink = p.sink or self.config.default_sink
         window = p.window or self.config.default_window
+        self.store.reserve(self.engine.slab_bytes(sink, window))
         session_id = self.store.new_id()
         coordinator = await self.engine.run(self.engine.open_session, sink, window, short_id(session_id))
         eos = p.eos_token_ids or self.engine.spec.eos_token_ids

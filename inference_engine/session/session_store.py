@@ -20,11 +20,18 @@ log = logging.getLogger(__name__)
 class SessionStore:
     """Sessions by id. A slab stays counted until its session is closed *and* idle."""
 
-    def __init__(self, max_sessions: int, ttl_s: float):
+    def __init__(self, max_sessions: int, ttl_s: float, max_kv_bytes: int = 0):
+        """
+        Args:
+            max_sessions: sessions (target slabs) at once.
+            ttl_s: idle seconds before a session expires.
+            max_kv_bytes: K/V bytes all sessions may hold together, draft caches included (0: no bound).
+        """
         self.max_sessions = max_sessions
         self.ttl_s = ttl_s
+        self.max_kv_bytes = max_kv_bytes
         self._sessions: dict[str, Session] = {}
-        self._draining: set[str] = set()  # closed but still busy: slab not yet free
+        self._draining: dict[str, Session] = {}  # closed but still busy: K/V not yet free
 
     @staticmethod
     def new_id() -> str:
@@ -37,24 +44,42 @@ class SessionStore:
         return len(self._sessions) + len(self._draining)
 
     def kv_bytes_in_use(self) -> int:
-        """K/V bytes of every open session (target and draft slabs)."""
-        return sum(s.kv_bytes for s in self._sessions.values())
+        """K/V bytes every session holds (target and draft slabs, closed ones still draining included)."""
+        return sum(s.kv_bytes for s in (*self._sessions.values(), *self._draining.values()))
 
-    def reserve(self) -> None:
-        """Check a slab is free before building one.
+    def reserve(self, nbytes: int = 0) -> None:
+        """Check a slab (and `nbytes` more K/V) fits before building it.
 
         Raises:
-            PoolExhausted: all `max_sessions` slabs are in use.
+            PoolExhausted: all `max_sessions` slabs are in use, or the bytes exceed `max_kv_bytes`.
         """
         self.expire_idle()
         if self.slabs_in_use >= self.max_sessions:
             raise PoolExhausted(
                 f"all {self.max_sessions} session slabs are in use; close a session or wait for idle ones to expire"
             )
+        self.reserve_bytes(nbytes)
+
+    def reserve_bytes(self, nbytes: int) -> None:
+        """Check `nbytes` more K/V fit under `max_kv_bytes` (e.g. a draft model's cache).
+
+        Raises:
+            PoolExhausted: with the numbers.
+        """
+        used = self.kv_bytes_in_use()
+        if self.max_kv_bytes and used + nbytes > self.max_kv_bytes:
+            raise PoolExhausted(
+                f"{nbytes} more bytes of K/V would bring the pool to {used + nbytes} bytes; --max-kv-bytes is "
+                f"{self.max_kv_bytes} ({used} in use): close a session, use a smaller window, or wait"
+            )
 
     def add(self, session: Session) -> None:
-        """Register a built session (after `reserve`)."""
-        self.reserve()
+        """Register a built session (after `reserve`).
+
+        Raises:
+            PoolExhausted: the pool filled up meanwhile.
+        """
+        self.reserve(session.kv_bytes)
         self._sessions[session.session_id] = session
 
     def get(self, session_id: str, owner: str = ANONYMOUS) -> Session:
@@ -86,7 +111,7 @@ class SessionStore:
         del self._sessions[session.session_id]
         session.is_closed = True
         if session.is_busy:
-            self._draining.add(session.session_id)
+            self._draining[session.session_id] = session
         else:
             session.free()
 
@@ -94,7 +119,7 @@ class SessionStore:
         """End a call on a session; frees the slab if the session was closed meanwhile."""
         session.release()
         if session.is_closed:
-            self._draining.discard(session.session_id)
+            self._draining.pop(session.session_id, None)
             session.free()
 
     def close_all(self) -> None:
