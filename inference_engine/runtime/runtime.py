@@ -13,7 +13,9 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Callable
 
 from inference_engine.config import ServerConfig
+from inference_engine.decoding.call_output import CallOutput  # issue 13: text, stop strings, usage
 from inference_engine.decoding.drafter import Drafter, ModelDrafter, PromptLookupDrafter
+from inference_engine.decoding.options import StepOptions  # issue 13: sampling, logprobs
 from inference_engine.decoding.step import StepResult, decode_step
 from inference_engine.errors import InvariantViolation
 from inference_engine.runtime.coordinator import AppendTokensCoordinator
@@ -31,6 +33,8 @@ from inference_engine.runtime.types import (
     SessionInfo,
     StopReason,
 )
+from inference_engine.text.chat import resolve_input  # issue 13: text/chat input
+from inference_engine.text.codec import require, text_codec  # issue 13: the model's tokenizer
 
 log = logging.getLogger(__name__)
 Emit = Callable[[GenerateChunk], Awaitable[None]]
@@ -52,6 +56,7 @@ class Runtime:
         self.store = SessionStore(config.max_sessions, config.session_ttl_s)
         self.is_shutting_down = False
         self._sweeper: asyncio.Task | None = None
+        self.text = text_codec(engine.loaded.tokenizer)  # issue 13: None = token ids only
 
     def start(self) -> None:
         """Start the idle-session sweeper (call from the event loop)."""
@@ -99,8 +104,14 @@ class Runtime:
         session = self.store.get(p.session_id)
         session.acquire("AppendTokens")
         try:
-            await self.engine.run(self._coordinator(session).append, list(p.tokens))
-            return AppendResult(len(session.history), session.verifier.next_global_position)
+            tokens, chat = list(p.tokens), session.chat
+            if p.text is not None:  # issue 13 hook: text/messages become tokens once the session is held
+                r = await asyncio.to_thread(resolve_input, require(self.text), chat, session.history, p.text,
+                                            session.eos_token_ids, self.config.max_tokens_per_request)
+                tokens, chat = list(r.tokens), r.chat
+            await self.engine.run(self._coordinator(session).append, tokens)
+            session.chat = chat
+            return AppendResult(len(session.history), session.verifier.next_global_position, tuple(tokens))
         finally:
             self.store.release(session)
 
@@ -132,16 +143,23 @@ class Runtime:
                 "SPECULATIVE_DRAFT needs a draft model and this server has none (start it with --draft-model); "
                 "SPECULATIVE_LOOKUP and GREEDY are available"
             )
+        if p.options.stop:
+            require(self.text)  # issue 13: stop strings are matched on text
         session.acquire("Generate")
         coord = self._coordinator(session)
         state = _DecodeState()
-        stop_ids = frozenset() if p.ignore_eos else frozenset(session.eos_token_ids)
+        stop_ids = p.options.stop_ids(session.eos_token_ids, p.ignore_eos)
         drafted = accepted = produced = 0
         inflight: asyncio.Future[StepResult] | None = None
+        # issue 13 hook: per-call text stream (detokenizer, stop strings, usage) and the step's sampling
+        out = CallOutput(self.text, session.history, p.options.stop)
+        step_options = StepOptions(p.options.sampling, p.options.top_logprobs if p.options.logprobs else None,
+                                   out.keep if out.has_text else None)
 
         def next_step() -> asyncio.Future[StepResult]:  # starts computing at once, before any await
             return self.engine.submit(
-                self._step, coord, state, p.mode, p.num_draft_tokens, p.max_new_tokens - produced, stop_ids
+                self._step, coord, state, p.mode, p.num_draft_tokens, p.max_new_tokens - produced, stop_ids,
+                step_options,
             )
 
         try:
@@ -155,7 +173,10 @@ class Runtime:
                 state.unsent = None  # handed to the transport from here on: it counts as sent
                 produced += len(step.tokens)
                 drafted, accepted = drafted + step.drafted, accepted + step.accepted
-                if stop_ids.intersection(step.tokens):
+                text = out.take_text(bool(step.tokens))  # issue 13
+                if out.is_stopped:
+                    stop = StopReason.STOP_STRING
+                elif stop_ids.intersection(step.tokens):
                     stop = StopReason.EOS
                 elif produced >= p.max_new_tokens:
                     stop = StopReason.MAX_TOKENS
@@ -163,8 +184,9 @@ class Runtime:
                     stop = StopReason.CANCELLED
                 else:
                     inflight = next_step()  # compute the next step while this one is written
-                await emit(GenerateChunk(step.tokens))
-            await emit(GenerateChunk((), stop, len(session.history), drafted, accepted))
+                await emit(GenerateChunk(step.tokens, text=text, logprobs=step.logprobs))
+            await emit(GenerateChunk((), stop, len(session.history), drafted, accepted, text=out.finish_text(),
+                                     usage=out.usage(produced), seed=p.options.sampling.seed))
         finally:
             if inflight is not None:  # let the engine finish the step it is computing
                 await asyncio.wait([inflight])
@@ -177,9 +199,9 @@ class Runtime:
 
     def _step(
         self, coord: AppendTokensCoordinator, state: _DecodeState, mode: DecodeMode, k: int, remaining: int,
-        stop_ids: frozenset[int],
+        stop_ids: frozenset[int], options: StepOptions,
     ) -> StepResult:
-        state.unsent = decode_step(coord, self._drafter(coord.session, mode), k, remaining, stop_ids)
+        state.unsent = decode_step(coord, self._drafter(coord.session, mode), k, remaining, stop_ids, options)
         return state.unsent
 
     async def close_session(self, session_id: str) -> int:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from inference_engine.errors import SessionBusy
+from inference_engine.text.chat import ChatLog
 from inference_engine.verifier.sink_window_verifier import SinkWindowVerifier
 
 
@@ -27,6 +28,7 @@ class Session:
     is_closed: bool = False  # closed or expired; no new RPCs
     is_busy: bool = False  # an AppendTokens/Generate holds it
     drafters: dict[Any, Any] = field(default_factory=dict)  # DecodeMode -> Drafter, built on first use
+    chat: ChatLog = field(default_factory=ChatLog)  # messages appended and replies generated (text/chat.py)
 
     def touch(self) -> None:
         """Record use now (TTL restarts)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 from typing import Any, Callable
@@ -10,14 +11,17 @@ import grpc
 
 from inference_engine.errors import RuntimeServiceError
 from inference_engine.runtime.runtime import Runtime
-from inference_engine.runtime.types import AppendParams, CreateSessionParams, DecodeMode, GenerateChunk, GenerateParams
+from inference_engine.runtime.types import CreateSessionParams, GenerateChunk
+from inference_engine.server import convert  # issue 13: text, sampling, model info
+from inference_engine.server.model_info import describe_model
 from inference_engine.server.status_codes import status_of
 from inference_engine.server.validation import Validator
+from inference_engine.text.chat import ChatInput
+from inference_engine.text.codec import require
 from inference_engine.v1 import runtime_pb2 as pb
 from inference_engine.v1 import runtime_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
-DEFAULT_DRAFT_TOKENS = 4
 
 
 def _mapped(method: Callable) -> Callable:
@@ -42,6 +46,7 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
     def __init__(self, runtime: Runtime):
         self.runtime = runtime
         self.validate = Validator(runtime.config, runtime.engine.spec.vocab_size)
+        self.model_info = describe_model(runtime.engine, runtime.config, runtime.text)
 
     @_mapped
     async def CreateSession(self, request: pb.CreateSessionRequest, context: grpc.aio.ServicerContext) -> pb.CreateSessionResponse:
@@ -58,34 +63,16 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
 
     @_mapped
     async def AppendTokens(self, request: pb.AppendTokensRequest, context: grpc.aio.ServicerContext) -> pb.AppendTokensResponse:
-        params = AppendParams(
-            session_id=self.validate.session_id(request.session_id),
-            tokens=self.validate.items("AppendTokensRequest.tokens", list(request.tokens)),
-        )
-        result = await self.runtime.append_tokens(params)
-        return pb.AppendTokensResponse(history_length=result.history_length, next_global_position=result.next_global_position)
+        result = await self.runtime.append_tokens(convert.append_params(self.validate, request))
+        return pb.AppendTokensResponse(history_length=result.history_length, next_global_position=result.next_global_position,
+                                       tokens=result.tokens)
 
     @_mapped
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
-        params = GenerateParams(
-            session_id=self.validate.session_id(request.session_id),
-            max_new_tokens=self.validate.value("GenerateRequest.max_new_tokens", request.max_new_tokens),
-            ignore_eos=request.ignore_eos,
-            mode=DecodeMode(self.validate.value("GenerateRequest.mode", request.mode)),
-            num_draft_tokens=self.validate.value("GenerateRequest.num_draft_tokens", request.num_draft_tokens)
-            or DEFAULT_DRAFT_TOKENS,
-        )
+        params = convert.generate_params(self.validate, self.runtime.config, request)
 
         async def emit(chunk: GenerateChunk) -> None:
-            await context.write(
-                pb.GenerateResponse(
-                    tokens=chunk.tokens,
-                    stop_reason=chunk.stop_reason.value if chunk.stop_reason else pb.STOP_REASON_UNSPECIFIED,
-                    history_length=chunk.history_length,
-                    drafted_tokens=chunk.drafted,
-                    accepted_tokens=chunk.accepted,
-                )
-            )
+            await context.write(convert.generate_response(chunk))
 
         await self.runtime.generate(params, emit)
 
@@ -103,3 +90,28 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
             eos_token_ids=i.eos_token_ids, client_label=i.client_label, created_unix_nanos=i.created_ns,
             last_used_unix_nanos=i.last_used_ns, state_digest=i.state_digest, exact=i.is_exact, kv_bytes=i.kv_bytes,
         )
+
+    @_mapped
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.GetModelInfoResponse:
+        return convert.model_info_response(self.model_info)
+
+    @_mapped
+    async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+        what = convert.tokenize_input(self.validate, request)
+        codec = require(self.runtime.text)
+
+        def tokenize() -> tuple[list[int], str]:  # off the event loop: templates and long texts take a while
+            if isinstance(what, ChatInput):
+                text = codec.render(what.messages, what.add_generation_prompt)
+                return codec.encode(text), text
+            return codec.encode(what.text, request.add_special_tokens), what.text
+
+        tokens, text = await asyncio.to_thread(tokenize)
+        return pb.TokenizeResponse(tokens=tokens, text=text)
+
+    @_mapped
+    async def Detokenize(self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext) -> pb.DetokenizeResponse:
+        tokens = self.validate.items("DetokenizeRequest.tokens", list(request.tokens))
+        codec = require(self.runtime.text)
+        text = await asyncio.to_thread(codec.decode, tokens, request.skip_special_tokens)
+        return pb.DetokenizeResponse(text=text)

@@ -11,6 +11,7 @@ STATUS_OF: dict[type[errors.RuntimeServiceError], grpc.StatusCode] = {
     errors.SessionNotFound: grpc.StatusCode.NOT_FOUND,
     errors.PoolExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.InvariantViolation: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.FeatureUnavailable: grpc.StatusCode.FAILED_PRECONDITION,
     errors.SessionBusy: grpc.StatusCode.ABORTED,
     errors.EngineUnavailable: grpc.StatusCode.UNAVAILABLE,
 }
