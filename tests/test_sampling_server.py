@@ -72,7 +72,7 @@ async def test_seeded_sampling_is_the_same_for_every_chunking_burst_and_mode(eng
 
 async def test_concurrent_companions_do_not_change_a_stream(engine):
     async with running_server(engine) as (stub, _):
-        alone = {seed: await _bursts(stub, await _session(stub), 30, 30, **{**SAMPLED, "seed": seed}) for seed in (1, 2)}
+        alone = {s: await _bursts(stub, await _session(stub), 30, 30, **{**SAMPLED, "seed": s}) for s in (1, 2)}
         sids = [await _session(stub), await _session(stub)]
         together = await asyncio.gather(*(_bursts(stub, sid, 30, 5, **{**SAMPLED, "seed": seed})
                                           for sid, seed in zip(sids, (1, 2))))
@@ -107,7 +107,8 @@ async def test_per_request_eos_ids(engine):
         tokens, msgs = await _generate(stub, await _session(stub, eos_token_ids=[1]), 10, eos_token_ids=[stream[4]],
                                        **SAMPLED)
         assert tokens == stream[: stream.index(stream[4]) + 1] and msgs[-1].stop_reason == pb.STOP_REASON_EOS
-        tokens, _ = await _generate(stub, await _session(stub), 10, eos_token_ids=[stream[4]], ignore_eos=True, **SAMPLED)
+        sid = await _session(stub)
+        tokens, _ = await _generate(stub, sid, 10, eos_token_ids=[stream[4]], ignore_eos=True, **SAMPLED)
         assert tokens == stream
 
 
@@ -195,6 +196,7 @@ async def test_model_info(engine):
     assert i.exact and i.block_size == engine.block and i.kernels and len(i.model_fingerprint) == 64
     assert i.has_draft_model
     lim = i.limits
-    assert (lim.default_sink_tokens, lim.max_sink_tokens, lim.default_window_tokens, lim.max_window_tokens) == (4, 64, 64, 8192)
+    assert (lim.default_sink_tokens, lim.max_sink_tokens) == (4, 64)
+    assert (lim.default_window_tokens, lim.max_window_tokens) == (64, 8192)
     assert (lim.default_new_tokens, lim.max_new_tokens, lim.max_tokens_per_request) == (7, 4096, 8192)
     assert (lim.max_draft_tokens, lim.max_top_logprobs, lim.max_sessions) == (8, 20, 4)

@@ -64,10 +64,12 @@ class TextCodec:
             InvalidRequest: the template refused the messages (its own message says why).
         """
         if not self.has_chat_template:
-            raise FeatureUnavailable("the model's tokenizer has no chat template: send text or tokens instead of messages")
+            raise FeatureUnavailable(
+                "the model's tokenizer has no chat template: send text or tokens instead of messages")
         conversation = [{"role": m.role, "content": m.content} for m in messages]
         try:
-            return self.hf.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+            return self.hf.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
         except Exception as exc:  # noqa: BLE001 - jinja's errors (raise_exception, undefined) are the client's
             raise InvalidRequest(f"the chat template refused these messages: {type(exc).__name__}: {exc}") from exc
 
