@@ -151,10 +151,6 @@ class Runtime:
         stop_ids = p.options.stop_ids(session.eos_token_ids, p.ignore_eos)
         drafted = accepted = produced = 0
         inflight: asyncio.Future[StepResult] | None = None
-        # issue 13 hook: per-call text stream (detokenizer, stop strings, usage) and the step's sampling
-        out = CallOutput(self.text, session.history, p.options.stop)
-        step_options = StepOptions(p.options.sampling, p.options.top_logprobs if p.options.logprobs else None,
-                                   out.keep if out.has_text else None)
 
         def next_step() -> asyncio.Future[StepResult]:  # starts computing at once, before any await
             return self.engine.submit(
@@ -163,6 +159,10 @@ class Runtime:
             )
 
         try:
+            # issue 13 hook: per-call text stream (detokenizer, stop strings, usage) and the step's sampling
+            out = CallOutput(self.text, session.history, p.options.stop)
+            step_options = StepOptions(p.options.sampling, p.options.top_logprobs if p.options.logprobs else None,
+                                       out.keep if out.has_text else None)
             if not session.history:
                 raise InvariantViolation("the session has no tokens yet: call AppendTokens before Generate")
             stop = StopReason.CANCELLED if self._is_cancelled(session) else None
