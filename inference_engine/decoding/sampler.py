@@ -29,7 +29,7 @@ import numpy as np
 
 PENALTY_WINDOW = 64  # history tokens before p whose logits the repetition penalty scales
 _MASK64 = (1 << 64) - 1
-_TOP_P_CANDIDATES = 256  # top-p sorts this many most probable tokens first; all of them only if needed
+_TOP_P_CANDIDATES = (256, 4096)  # top-p sorts this many most probable tokens first; all of them only if needed
 
 
 @dataclass(frozen=True)
@@ -99,32 +99,29 @@ def _top_k_mask(probs: np.ndarray, k: int) -> np.ndarray:
     return keep
 
 
-def _by_probability(probs: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    """`ids` sorted by descending probability, then ascending id."""
-    return ids[np.lexsort((ids, -probs[ids]))]
-
-
 def _top_p_mask(probs: np.ndarray, top_p: float) -> np.ndarray:
-    """Shortest most-probable-first run whose mass reaches top_p (probs sum to 1).
+    """Shortest most-probable-first run (ties by lower id) whose mass reaches top_p (probs sum to 1).
 
-    Sorting only the most probable `_TOP_P_CANDIDATES` (all tokens tied at the cut included)
-    is the full sort's prefix exactly, so its running sums are the same numbers; the full
-    sort runs only when that prefix does not reach top_p.
+    Sorting only the most probable m tokens (all tokens tied at the cut included) gives the
+    full sort's prefix, and tied tokens permuted among themselves leave the running sums the
+    same numbers, so the cut is the full sort's; m grows through `_TOP_P_CANDIDATES` and the
+    whole vocabulary is sorted only when no smaller prefix reaches top_p.
     """
     live = np.flatnonzero(probs > 0)
-    if live.size > _TOP_P_CANDIDATES:
-        threshold = np.partition(probs[live], live.size - _TOP_P_CANDIDATES)[live.size - _TOP_P_CANDIDATES]
-        order = _by_probability(probs, live[probs[live] >= threshold])
+    for m in (*(m for m in _TOP_P_CANDIDATES if m < live.size), live.size):
+        ids = live
+        if m < live.size:
+            threshold = np.partition(probs[live], live.size - m)[live.size - m]  # m-th largest
+            ids = live[probs[live] >= threshold]
+        order = ids[np.argsort(-probs[ids])]
         mass = np.cumsum(probs[order])
-        if mass[-1] < top_p:
-            order = _by_probability(probs, live)
-            mass = np.cumsum(probs[order])
-    else:
-        order = _by_probability(probs, live)
-        mass = np.cumsum(probs[order])
+        if mass[-1] >= top_p:
+            break
     cut = min(int(np.searchsorted(mass, top_p, side="left")), order.size - 1)
-    keep = np.zeros(probs.size, dtype=bool)
-    keep[order[: cut + 1]] = True
+    last = probs[order[cut]]
+    keep = probs > last
+    ties = np.flatnonzero(probs == last)
+    keep[ties[: cut + 1 - int(keep.sum())]] = True  # the tied tokens the run needs: lower ids first
     return keep
 
 
