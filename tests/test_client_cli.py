@@ -128,6 +128,12 @@ async def test_generate_and_chat_against_a_server(real_engine):
                                   lines=["What is the capital of France?", "", "/reset", "And of Italy?", "/quit"])
         assert rc == 0 and "Paris" in out and "[new conversation]" in err and "connected to" in err
         assert out.count("> ") == 5 and runtime.store.slabs_in_use == 0  # every session closed
+
+        def ctrl_c() -> str:
+            raise KeyboardInterrupt
+
+        rc, out, err = await _cli("chat", "--target", target, lines=[ctrl_c])  # Ctrl-C at the prompt leaves
+        assert rc == 0 and runtime.store.slabs_in_use == 0
     async with _server(real_engine, default_window=256, session_ttl_s=0.3) as (target, runtime):
         def later() -> str:
             import time
