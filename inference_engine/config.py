@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from inference_engine.address import default_address
 from inference_engine.model.packaged import DEFAULT_MODEL, DRAFT_MODEL
 from inference_engine.security.flags import (
     add_client_security_flags,
@@ -44,6 +45,7 @@ class ServerConfig:
     max_rollback: int = 8  # most trailing tokens commit_or_truncate may drop (largest draft block)
     max_tokens_per_request: int = 8192  # tokens in one AppendTokens
     max_new_tokens: int = 4096  # upper bound of GenerateRequest.max_new_tokens
+    default_new_tokens: int = 512  # max_new_tokens of a request that says 0
     session_ttl_s: float = 900.0  # idle sessions expire after this
     exact: bool = True  # run on the probed bit-exact tile; False = plain large blocks
     max_tile: int = DEFAULT_MAX_TILE  # largest block size the probe tries
@@ -63,8 +65,9 @@ class ServerConfig:
 def add_server_flags(parser: argparse.ArgumentParser) -> None:
     """Register the flags that build a ServerConfig."""
     d = ServerConfig()
-    parser.add_argument("--host", default=d.host)
-    parser.add_argument("--port", type=int, default=d.port, help="0 = pick a free port")
+    host, port = default_address()
+    parser.add_argument("--host", default=host, help="default from $INFERENCE_ENGINE_ADDRESS, else %(default)s")
+    parser.add_argument("--port", type=int, default=port, help="0 = pick a free port (default %(default)s)")
     parser.add_argument("--model", default=d.model, help="packaged model name or an mlx-lm folder")
     parser.add_argument(
         "--draft-model", default=None,
@@ -81,6 +84,8 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-rollback", type=int, default=d.max_rollback)
     parser.add_argument("--max-tokens-per-request", type=int, default=d.max_tokens_per_request)
     parser.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    parser.add_argument("--default-new-tokens", type=int, default=d.default_new_tokens,
+                        help="max_new_tokens of a Generate that says 0")
     parser.add_argument("--session-ttl", type=float, default=d.session_ttl_s, help="idle seconds before expiry")
     parser.add_argument("--no-exact", action="store_true", help="plain large blocks (not chunking-invariant)")
     parser.add_argument("--max-tile", type=int, default=d.max_tile)
@@ -127,6 +132,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_sessions=args.max_sessions, max_kv_bytes=args.max_kv_bytes, default_sink=args.default_sink, default_window=args.default_window,
         max_sink=args.max_sink, max_window=args.max_window, max_rollback=args.max_rollback,
         max_tokens_per_request=args.max_tokens_per_request, max_new_tokens=args.max_new_tokens,
+        default_new_tokens=args.default_new_tokens,
         session_ttl_s=args.session_ttl, exact=not args.no_exact, max_tile=args.max_tile, grace_s=args.grace,
         max_batch_rows=args.max_batch_rows, append_rows=args.append_rows,
         shards=_split(args.shards), spawn_shards=_split(args.spawn_shards),
@@ -140,6 +146,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         "--default-sink": 0 <= cfg.default_sink <= cfg.max_sink,
         "--default-window": 1 <= cfg.default_window <= cfg.max_window,
         "--max-rollback": cfg.max_rollback >= 1,
+        "--default-new-tokens": 1 <= cfg.default_new_tokens <= cfg.max_new_tokens,
         "--port": 0 <= cfg.port <= 65535,
         "--max-tile": cfg.max_tile >= 1,
         "--max-batch-rows": cfg.max_batch_rows >= 0,

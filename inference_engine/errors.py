@@ -46,3 +46,7 @@ class SessionBusy(RuntimeServiceError):
 
 class EngineUnavailable(RuntimeServiceError):
     """The compute engine is gone or shutting down (UNAVAILABLE)."""
+
+
+class FeatureUnavailable(RuntimeServiceError):
+    """The served model cannot do what was asked (no tokenizer, no chat template) (FAILED_PRECONDITION)."""

@@ -24,37 +24,59 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!inference_engine/v1/runtime.proto\x12\x13inference_engine.v1\"o\n\x14\x43reateSessionRequest\x12\x15\n\reos_token_ids\x18\x01 \x03(\r\x12\x14\n\x0c\x63lient_label\x18\x02 \x01(\t\x12\x13\n\x0bsink_tokens\x18\x03 \x01(\r\x12\x15\n\rwindow_tokens\x18\x04 \x01(\r\"W\n\x15\x43reateSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0bsink_tokens\x18\x02 \x01(\r\x12\x15\n\rwindow_tokens\x18\x03 \x01(\r\"9\n\x13\x41ppendTokensRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\r\"L\n\x14\x41ppendTokensResponse\x12\x16\n\x0ehistory_length\x18\x01 \x01(\x04\x12\x1c\n\x14next_global_position\x18\x02 \x01(\x04\"\x9a\x01\n\x0fGenerateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0emax_new_tokens\x18\x02 \x01(\r\x12\x12\n\nignore_eos\x18\x03 \x01(\x08\x12-\n\x04mode\x18\x04 \x01(\x0e\x32\x1f.inference_engine.v1.DecodeMode\x12\x18\n\x10num_draft_tokens\x18\x05 \x01(\r\"\xa1\x01\n\x10GenerateResponse\x12\x0e\n\x06tokens\x18\x01 \x03(\r\x12\x34\n\x0bstop_reason\x18\x02 \x01(\x0e\x32\x1f.inference_engine.v1.StopReason\x12\x16\n\x0ehistory_length\x18\x03 \x01(\x04\x12\x16\n\x0e\x64rafted_tokens\x18\x04 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x05 \x01(\r\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\".\n\x14\x43loseSessionResponse\x12\x16\n\x0ehistory_length\x18\x01 \x01(\x04\"+\n\x15GetSessionInfoRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\xc3\x02\n\x16GetSessionInfoResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0ehistory_length\x18\x02 \x01(\x04\x12\x1c\n\x14next_global_position\x18\x03 \x01(\x04\x12\x15\n\rcached_tokens\x18\x04 \x01(\x04\x12\x13\n\x0bsink_tokens\x18\x05 \x01(\r\x12\x15\n\rwindow_tokens\x18\x06 \x01(\r\x12\x15\n\reos_token_ids\x18\x07 \x03(\r\x12\x14\n\x0c\x63lient_label\x18\x08 \x01(\t\x12\x1a\n\x12\x63reated_unix_nanos\x18\t \x01(\x03\x12\x1c\n\x14last_used_unix_nanos\x18\n \x01(\x03\x12\x14\n\x0cstate_digest\x18\x0b \x01(\t\x12\r\n\x05\x65xact\x18\x0c \x01(\x08\x12\x10\n\x08kv_bytes\x18\r \x01(\x04*u\n\nStopReason\x12\x1b\n\x17STOP_REASON_UNSPECIFIED\x10\x00\x12\x1a\n\x16STOP_REASON_MAX_TOKENS\x10\x01\x12\x13\n\x0fSTOP_REASON_EOS\x10\x02\x12\x19\n\x15STOP_REASON_CANCELLED\x10\x03*k\n\nDecodeMode\x12\x16\n\x12\x44\x45\x43ODE_MODE_GREEDY\x10\x00\x12!\n\x1d\x44\x45\x43ODE_MODE_SPECULATIVE_DRAFT\x10\x01\x12\"\n\x1e\x44\x45\x43ODE_MODE_SPECULATIVE_LOOKUP\x10\x02\x32\x88\x04\n\x0eRuntimeService\x12\x66\n\rCreateSession\x12).inference_engine.v1.CreateSessionRequest\x1a*.inference_engine.v1.CreateSessionResponse\x12\x63\n\x0c\x41ppendTokens\x12(.inference_engine.v1.AppendTokensRequest\x1a).inference_engine.v1.AppendTokensResponse\x12Y\n\x08Generate\x12$.inference_engine.v1.GenerateRequest\x1a%.inference_engine.v1.GenerateResponse0\x01\x12\x63\n\x0c\x43loseSession\x12(.inference_engine.v1.CloseSessionRequest\x1a).inference_engine.v1.CloseSessionResponse\x12i\n\x0eGetSessionInfo\x12*.inference_engine.v1.GetSessionInfoRequest\x1a+.inference_engine.v1.GetSessionInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!inference_engine/v1/runtime.proto\x12\x13inference_engine.v1\"o\n\x14\x43reateSessionRequest\x12\x15\n\reos_token_ids\x18\x01 \x03(\r\x12\x14\n\x0c\x63lient_label\x18\x02 \x01(\t\x12\x13\n\x0bsink_tokens\x18\x03 \x01(\r\x12\x15\n\rwindow_tokens\x18\x04 \x01(\r\"W\n\x15\x43reateSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0bsink_tokens\x18\x02 \x01(\r\x12\x15\n\rwindow_tokens\x18\x03 \x01(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x9a\x01\n\x13\x41ppendTokensRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x32\n\x08messages\x18\x04 \x03(\x0b\x32 .inference_engine.v1.ChatMessage\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x05 \x01(\x08\"\\\n\x14\x41ppendTokensResponse\x12\x16\n\x0ehistory_length\x18\x01 \x01(\x04\x12\x1c\n\x14next_global_position\x18\x02 \x01(\x04\x12\x0e\n\x06tokens\x18\x03 \x03(\r\"\xe1\x02\n\x0fGenerateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0emax_new_tokens\x18\x02 \x01(\r\x12\x12\n\nignore_eos\x18\x03 \x01(\x08\x12-\n\x04mode\x18\x04 \x01(\x0e\x32\x1f.inference_engine.v1.DecodeMode\x12\x18\n\x10num_draft_tokens\x18\x05 \x01(\r\x12\x13\n\x0btemperature\x18\x06 \x01(\x02\x12\r\n\x05top_k\x18\x07 \x01(\r\x12\r\n\x05top_p\x18\x08 \x01(\x02\x12\r\n\x05min_p\x18\t \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\n \x01(\x02\x12\x11\n\x04seed\x18\x0b \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x15\n\reos_token_ids\x18\r \x03(\r\x12\x10\n\x08logprobs\x18\x0e \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0f \x01(\rB\x07\n\x05_seed\",\n\nTopLogprob\x12\r\n\x05token\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\\\n\x0cTokenLogprob\x12\r\n\x05token\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12,\n\x03top\x18\x03 \x03(\x0b\x32\x1f.inference_engine.v1.TopLogprob\"\x8a\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x04\x12\x18\n\x10generated_tokens\x18\x02 \x01(\r\x12\x1e\n\x16time_to_first_token_ms\x18\x03 \x01(\x01\x12\x15\n\rtotal_time_ms\x18\x04 \x01(\x01\x12\x19\n\x11tokens_per_second\x18\x05 \x01(\x01\"\x9d\x02\n\x10GenerateResponse\x12\x0e\n\x06tokens\x18\x01 \x03(\r\x12\x34\n\x0bstop_reason\x18\x02 \x01(\x0e\x32\x1f.inference_engine.v1.StopReason\x12\x16\n\x0ehistory_length\x18\x03 \x01(\x04\x12\x16\n\x0e\x64rafted_tokens\x18\x04 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x05 \x01(\r\x12\x0c\n\x04text\x18\x06 \x01(\t\x12\x33\n\x08logprobs\x18\x07 \x03(\x0b\x32!.inference_engine.v1.TokenLogprob\x12)\n\x05usage\x18\x08 \x01(\x0b\x32\x1a.inference_engine.v1.Usage\x12\x0c\n\x04seed\x18\t \x01(\x04\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\".\n\x14\x43loseSessionResponse\x12\x16\n\x0ehistory_length\x18\x01 \x01(\x04\"+\n\x15GetSessionInfoRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\xc3\x02\n\x16GetSessionInfoResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0ehistory_length\x18\x02 \x01(\x04\x12\x1c\n\x14next_global_position\x18\x03 \x01(\x04\x12\x15\n\rcached_tokens\x18\x04 \x01(\x04\x12\x13\n\x0bsink_tokens\x18\x05 \x01(\r\x12\x15\n\rwindow_tokens\x18\x06 \x01(\r\x12\x15\n\reos_token_ids\x18\x07 \x03(\r\x12\x14\n\x0c\x63lient_label\x18\x08 \x01(\t\x12\x1a\n\x12\x63reated_unix_nanos\x18\t \x01(\x03\x12\x1c\n\x14last_used_unix_nanos\x18\n \x01(\x03\x12\x14\n\x0cstate_digest\x18\x0b \x01(\t\x12\r\n\x05\x65xact\x18\x0c \x01(\x08\x12\x10\n\x08kv_bytes\x18\r \x01(\x04\"\x15\n\x13GetModelInfoRequest\"\x9b\x02\n\x0bModelLimits\x12\x1b\n\x13\x64\x65\x66\x61ult_sink_tokens\x18\x01 \x01(\r\x12\x17\n\x0fmax_sink_tokens\x18\x02 \x01(\r\x12\x1d\n\x15\x64\x65\x66\x61ult_window_tokens\x18\x03 \x01(\r\x12\x19\n\x11max_window_tokens\x18\x04 \x01(\r\x12\x1a\n\x12\x64\x65\x66\x61ult_new_tokens\x18\x05 \x01(\r\x12\x16\n\x0emax_new_tokens\x18\x06 \x01(\r\x12\x1e\n\x16max_tokens_per_request\x18\x07 \x01(\r\x12\x18\n\x10max_draft_tokens\x18\x08 \x01(\r\x12\x18\n\x10max_top_logprobs\x18\t \x01(\r\x12\x14\n\x0cmax_sessions\x18\n \x01(\r\"\xcd\x02\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\reos_token_ids\x18\x03 \x03(\r\x12\x19\n\x0c\x62os_token_id\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x15\n\rhas_tokenizer\x18\x05 \x01(\x08\x12\x19\n\x11has_chat_template\x18\x06 \x01(\x08\x12\x30\n\x06limits\x18\x07 \x01(\x0b\x32 .inference_engine.v1.ModelLimits\x12\r\n\x05\x65xact\x18\x08 \x01(\x08\x12\x12\n\nblock_size\x18\t \x01(\r\x12\x0f\n\x07kernels\x18\n \x01(\t\x12\x19\n\x11model_fingerprint\x18\x0b \x01(\t\x12\x17\n\x0fhas_draft_model\x18\x0c \x01(\x08\x42\x0f\n\r_bos_token_id\"\x8e\x01\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\x12\x32\n\x08messages\x18\x03 \x03(\x0b\x32 .inference_engine.v1.ChatMessage\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x04 \x01(\x08\"0\n\x10TokenizeResponse\x12\x0e\n\x06tokens\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\"@\n\x11\x44\x65tokenizeRequest\x12\x0e\n\x06tokens\x18\x01 \x03(\r\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t*\x92\x01\n\nStopReason\x12\x1b\n\x17STOP_REASON_UNSPECIFIED\x10\x00\x12\x1a\n\x16STOP_REASON_MAX_TOKENS\x10\x01\x12\x13\n\x0fSTOP_REASON_EOS\x10\x02\x12\x19\n\x15STOP_REASON_CANCELLED\x10\x03\x12\x1b\n\x17STOP_REASON_STOP_STRING\x10\x04*k\n\nDecodeMode\x12\x16\n\x12\x44\x45\x43ODE_MODE_GREEDY\x10\x00\x12!\n\x1d\x44\x45\x43ODE_MODE_SPECULATIVE_DRAFT\x10\x01\x12\"\n\x1e\x44\x45\x43ODE_MODE_SPECULATIVE_LOOKUP\x10\x02\x32\xa5\x06\n\x0eRuntimeService\x12\x66\n\rCreateSession\x12).inference_engine.v1.CreateSessionRequest\x1a*.inference_engine.v1.CreateSessionResponse\x12\x63\n\x0c\x41ppendTokens\x12(.inference_engine.v1.AppendTokensRequest\x1a).inference_engine.v1.AppendTokensResponse\x12Y\n\x08Generate\x12$.inference_engine.v1.GenerateRequest\x1a%.inference_engine.v1.GenerateResponse0\x01\x12\x63\n\x0c\x43loseSession\x12(.inference_engine.v1.CloseSessionRequest\x1a).inference_engine.v1.CloseSessionResponse\x12i\n\x0eGetSessionInfo\x12*.inference_engine.v1.GetSessionInfoRequest\x1a+.inference_engine.v1.GetSessionInfoResponse\x12\x63\n\x0cGetModelInfo\x12(.inference_engine.v1.GetModelInfoRequest\x1a).inference_engine.v1.GetModelInfoResponse\x12W\n\x08Tokenize\x12$.inference_engine.v1.TokenizeRequest\x1a%.inference_engine.v1.TokenizeResponse\x12]\n\nDetokenize\x12&.inference_engine.v1.DetokenizeRequest\x1a\'.inference_engine.v1.DetokenizeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'inference_engine.v1.runtime_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_STOPREASON']._serialized_start=1180
-  _globals['_STOPREASON']._serialized_end=1297
-  _globals['_DECODEMODE']._serialized_start=1299
-  _globals['_DECODEMODE']._serialized_end=1406
+  _globals['_STOPREASON']._serialized_start=2887
+  _globals['_STOPREASON']._serialized_end=3033
+  _globals['_DECODEMODE']._serialized_start=3035
+  _globals['_DECODEMODE']._serialized_end=3142
   _globals['_CREATESESSIONREQUEST']._serialized_start=58
   _globals['_CREATESESSIONREQUEST']._serialized_end=169
   _globals['_CREATESESSIONRESPONSE']._serialized_start=171
   _globals['_CREATESESSIONRESPONSE']._serialized_end=258
-  _globals['_APPENDTOKENSREQUEST']._serialized_start=260
-  _globals['_APPENDTOKENSREQUEST']._serialized_end=317
-  _globals['_APPENDTOKENSRESPONSE']._serialized_start=319
-  _globals['_APPENDTOKENSRESPONSE']._serialized_end=395
-  _globals['_GENERATEREQUEST']._serialized_start=398
-  _globals['_GENERATEREQUEST']._serialized_end=552
-  _globals['_GENERATERESPONSE']._serialized_start=555
-  _globals['_GENERATERESPONSE']._serialized_end=716
-  _globals['_CLOSESESSIONREQUEST']._serialized_start=718
-  _globals['_CLOSESESSIONREQUEST']._serialized_end=759
-  _globals['_CLOSESESSIONRESPONSE']._serialized_start=761
-  _globals['_CLOSESESSIONRESPONSE']._serialized_end=807
-  _globals['_GETSESSIONINFOREQUEST']._serialized_start=809
-  _globals['_GETSESSIONINFOREQUEST']._serialized_end=852
-  _globals['_GETSESSIONINFORESPONSE']._serialized_start=855
-  _globals['_GETSESSIONINFORESPONSE']._serialized_end=1178
-  _globals['_RUNTIMESERVICE']._serialized_start=1409
-  _globals['_RUNTIMESERVICE']._serialized_end=1929
+  _globals['_CHATMESSAGE']._serialized_start=260
+  _globals['_CHATMESSAGE']._serialized_end=304
+  _globals['_APPENDTOKENSREQUEST']._serialized_start=307
+  _globals['_APPENDTOKENSREQUEST']._serialized_end=461
+  _globals['_APPENDTOKENSRESPONSE']._serialized_start=463
+  _globals['_APPENDTOKENSRESPONSE']._serialized_end=555
+  _globals['_GENERATEREQUEST']._serialized_start=558
+  _globals['_GENERATEREQUEST']._serialized_end=911
+  _globals['_TOPLOGPROB']._serialized_start=913
+  _globals['_TOPLOGPROB']._serialized_end=957
+  _globals['_TOKENLOGPROB']._serialized_start=959
+  _globals['_TOKENLOGPROB']._serialized_end=1051
+  _globals['_USAGE']._serialized_start=1054
+  _globals['_USAGE']._serialized_end=1192
+  _globals['_GENERATERESPONSE']._serialized_start=1195
+  _globals['_GENERATERESPONSE']._serialized_end=1480
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=1482
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=1523
+  _globals['_CLOSESESSIONRESPONSE']._serialized_start=1525
+  _globals['_CLOSESESSIONRESPONSE']._serialized_end=1571
+  _globals['_GETSESSIONINFOREQUEST']._serialized_start=1573
+  _globals['_GETSESSIONINFOREQUEST']._serialized_end=1616
+  _globals['_GETSESSIONINFORESPONSE']._serialized_start=1619
+  _globals['_GETSESSIONINFORESPONSE']._serialized_end=1942
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1944
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1965
+  _globals['_MODELLIMITS']._serialized_start=1968
+  _globals['_MODELLIMITS']._serialized_end=2251
+  _globals['_GETMODELINFORESPONSE']._serialized_start=2254
+  _globals['_GETMODELINFORESPONSE']._serialized_end=2587
+  _globals['_TOKENIZEREQUEST']._serialized_start=2590
+  _globals['_TOKENIZEREQUEST']._serialized_end=2732
+  _globals['_TOKENIZERESPONSE']._serialized_start=2734
+  _globals['_TOKENIZERESPONSE']._serialized_end=2782
+  _globals['_DETOKENIZEREQUEST']._serialized_start=2784
+  _globals['_DETOKENIZEREQUEST']._serialized_end=2848
+  _globals['_DETOKENIZERESPONSE']._serialized_start=2850
+  _globals['_DETOKENIZERESPONSE']._serialized_end=2884
+  _globals['_RUNTIMESERVICE']._serialized_start=3145
+  _globals['_RUNTIMESERVICE']._serialized_end=3950
 # @@protoc_insertion_point(module_scope)

@@ -59,6 +59,21 @@ class RuntimeServiceStub:
                 request_serializer=inference__engine_dot_v1_dot_runtime__pb2.GetSessionInfoRequest.SerializeToString,
                 response_deserializer=inference__engine_dot_v1_dot_runtime__pb2.GetSessionInfoResponse.FromString,
                 _registered_method=True)
+        self.GetModelInfo = channel.unary_unary(
+                '/inference_engine.v1.RuntimeService/GetModelInfo',
+                request_serializer=inference__engine_dot_v1_dot_runtime__pb2.GetModelInfoRequest.SerializeToString,
+                response_deserializer=inference__engine_dot_v1_dot_runtime__pb2.GetModelInfoResponse.FromString,
+                _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/inference_engine.v1.RuntimeService/Tokenize',
+                request_serializer=inference__engine_dot_v1_dot_runtime__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=inference__engine_dot_v1_dot_runtime__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/inference_engine.v1.RuntimeService/Detokenize',
+                request_serializer=inference__engine_dot_v1_dot_runtime__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=inference__engine_dot_v1_dot_runtime__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class RuntimeServiceServicer:
@@ -99,6 +114,27 @@ class RuntimeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetModelInfo(self, request, context):
+        """Describes the served model and the server's limits.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Tokenize(self, request, context):
+        """Text (or chat messages rendered with the model's chat template) to token ids.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """Token ids to text.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RuntimeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -126,6 +162,21 @@ def add_RuntimeServiceServicer_to_server(servicer, server):
                     servicer.GetSessionInfo,
                     request_deserializer=inference__engine_dot_v1_dot_runtime__pb2.GetSessionInfoRequest.FromString,
                     response_serializer=inference__engine_dot_v1_dot_runtime__pb2.GetSessionInfoResponse.SerializeToString,
+            ),
+            'GetModelInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetModelInfo,
+                    request_deserializer=inference__engine_dot_v1_dot_runtime__pb2.GetModelInfoRequest.FromString,
+                    response_serializer=inference__engine_dot_v1_dot_runtime__pb2.GetModelInfoResponse.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=inference__engine_dot_v1_dot_runtime__pb2.TokenizeRequest.FromString,
+                    response_serializer=inference__engine_dot_v1_dot_runtime__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=inference__engine_dot_v1_dot_runtime__pb2.DetokenizeRequest.FromString,
+                    response_serializer=inference__engine_dot_v1_dot_runtime__pb2.DetokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -263,6 +314,87 @@ class RuntimeService:
             '/inference_engine.v1.RuntimeService/GetSessionInfo',
             inference__engine_dot_v1_dot_runtime__pb2.GetSessionInfoRequest.SerializeToString,
             inference__engine_dot_v1_dot_runtime__pb2.GetSessionInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetModelInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference_engine.v1.RuntimeService/GetModelInfo',
+            inference__engine_dot_v1_dot_runtime__pb2.GetModelInfoRequest.SerializeToString,
+            inference__engine_dot_v1_dot_runtime__pb2.GetModelInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference_engine.v1.RuntimeService/Tokenize',
+            inference__engine_dot_v1_dot_runtime__pb2.TokenizeRequest.SerializeToString,
+            inference__engine_dot_v1_dot_runtime__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference_engine.v1.RuntimeService/Detokenize',
+            inference__engine_dot_v1_dot_runtime__pb2.DetokenizeRequest.SerializeToString,
+            inference__engine_dot_v1_dot_runtime__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
