@@ -115,3 +115,19 @@ async def test_append_racing_a_close_fails_or_is_reported(tiny_engine):
             except grpc.aio.AioRpcError as exc:
                 assert exc.code() == grpc.StatusCode.NOT_FOUND and "closed" in exc.details()
                 assert closed.history_length == len(PROMPT)  # nothing of it was committed
+
+
+async def test_expected_history_length_makes_retries_safe(tiny_engine):
+    async with running_server(tiny_engine) as (stub, _):
+        sid = await _session(stub)
+        r = await stub.AppendTokens(pb.AppendTokensRequest(session_id=sid, tokens=[1, 2], expected_history_length=10))
+        assert r.history_length == 12
+        before = await _info(stub, sid)
+        with pytest.raises(grpc.aio.AioRpcError) as err:  # the retry of a call that did go through
+            await stub.AppendTokens(pb.AppendTokensRequest(session_id=sid, tokens=[1, 2], expected_history_length=10))
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "expected_history_length is 10 but the session holds 12 tokens" in err.value.details()
+        after = await _info(stub, sid)
+        assert (after.history_length, after.state_digest) == (before.history_length, before.state_digest)
+        r = await stub.AppendTokens(pb.AppendTokensRequest(session_id=sid, tokens=[3], expected_history_length=12))
+        assert r.history_length == 13

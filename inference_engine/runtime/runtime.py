@@ -145,6 +145,11 @@ class Runtime:
         session = self.store.get(p.session_id, p.owner)
         session.acquire("AppendTokens")
         try:
+            if p.expected_history_length is not None and p.expected_history_length != len(session.history):
+                raise InvariantViolation(
+                    f"expected_history_length is {p.expected_history_length} but the session holds "
+                    f"{len(session.history)} tokens; nothing was appended (read the history length with GetSessionInfo)"
+                )
             tokens, chat = list(p.tokens), session.chat
             if p.text is not None:  # text or chat messages become tokens once the session is held
                 r = await asyncio.to_thread(resolve_input, require(self.text), chat, session.history, p.text,

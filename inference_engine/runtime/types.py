@@ -49,6 +49,7 @@ class AppendParams:
     session_id: str  # target session
     tokens: tuple[int, ...]  # non-empty, each < vocab size; () when `text` is set
     text: TextInput | ChatInput | None = None  # text or chat messages, tokenized once the session is held
+    expected_history_length: int | None = None  # fail unless the history holds exactly this many tokens
     owner: str = ANONYMOUS  # caller's identity (must own the session)
 
 

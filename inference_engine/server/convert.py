@@ -39,17 +39,18 @@ def append_params(v: Validator, r: pb.AppendTokensRequest) -> AppendParams:
         InvalidRequest: none or several inputs; a bound is broken.
     """
     sid = v.session_id(r.session_id)
+    expected = r.expected_history_length if r.HasField("expected_history_length") else None
     given = v.one_of("AppendTokensRequest", {"tokens": len(r.tokens) > 0, "text": r.text != "",
                                              "messages": len(r.messages) > 0})
     if r.add_generation_prompt and given != "messages":
         raise InvalidRequest("AppendTokensRequest.add_generation_prompt applies to messages only")
     if given == "tokens":
-        return AppendParams(sid, v.items("AppendTokensRequest.tokens", list(r.tokens)))
+        return AppendParams(sid, v.items("AppendTokensRequest.tokens", list(r.tokens)), expected_history_length=expected)
     if given == "text":
         v.length("AppendTokensRequest.text", len(r.text))
-        return AppendParams(sid, (), TextInput(r.text))
+        return AppendParams(sid, (), TextInput(r.text), expected_history_length=expected)
     messages = chat_messages(v, "AppendTokensRequest.messages", r.messages)
-    return AppendParams(sid, (), ChatInput(messages, r.add_generation_prompt))
+    return AppendParams(sid, (), ChatInput(messages, r.add_generation_prompt), expected_history_length=expected)
 
 
 def generate_params(v: Validator, cfg: ServerConfig, r: pb.GenerateRequest) -> GenerateParams:
