@@ -46,6 +46,8 @@ class Job(ABC):
         self.session = session
         self.is_cancelled = False  # set from any thread; takes effect at the job's next iteration
         self.is_done = False  # the job has finished (set by the job on the engine thread)
+        self.queued_at = time.monotonic()  # when the job was started; None once its first block ran
+        self.has_run = False  # its first block has been planned
 
     def cancel(self) -> None:
         """Stop at the next iteration (thread-safe)."""
@@ -118,7 +120,8 @@ class Scheduler:
         self._wake = threading.Event()
         self._is_closed = False
         self.stats = BatchStats()
-        self.on_iteration: Callable[[int, int, float], None] | None = None  # (rows, sessions, seconds): metrics
+        self.observers: list[Callable[[int, int, float], None]] = []  # (rows, sessions, seconds) per forward
+        self.on_queue_wait: Callable[[float], None] | None = None  # seconds a job waited for its first block
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -245,6 +248,10 @@ class Scheduler:
                     ended = True
                 continue
             planned.append((job, block))
+            if not job.has_run:
+                job.has_run = True
+                if self.on_queue_wait is not None:
+                    self.on_queue_wait(time.monotonic() - job.queued_at)
             rows += len(block.tokens)
             if not job.is_decoder:
                 append_left -= len(block.tokens)
@@ -278,8 +285,8 @@ class Scheduler:
 
     def _account(self, rows: int, sessions: int, seconds: float) -> None:
         self.stats.add(rows, sessions)
-        if self.on_iteration is not None:
-            self.on_iteration(rows, sessions, seconds)
+        for observe in self.observers:
+            observe(rows, sessions, seconds)
         now = time.monotonic()
         if now - self.stats.since >= STATS_EVERY_S:
             s = self.stats

@@ -37,6 +37,10 @@ async def _reject(context: grpc.aio.ServicerContext, message: str) -> None:
     await abort_with(context, Unauthenticated(message))
 
 
+def _observe_batch(rows: int, sessions: int, seconds: float) -> None:
+    metrics.BATCH_ROWS.observe(rows)
+
+
 @dataclass
 class Frontend:
     """A started gRPC server and the handles to drive its serving state."""
@@ -50,6 +54,10 @@ class Frontend:
         """Serve `runtime` from now on: start its sweeper, point the pool gauges at it, report SERVING."""
         store = runtime.store
         metrics.track_pool(lambda: store.slabs_in_use, store.max_sessions, store.kv_bytes_in_use)
+        scheduler = runtime.engine.scheduler
+        if _observe_batch not in scheduler.observers:  # an engine may be served more than once (tests)
+            scheduler.observers.append(_observe_batch)
+        scheduler.on_queue_wait = metrics.QUEUE_WAIT_SECONDS.observe
         self.servicer.attach(runtime)
         runtime.start()
         await self.health.set_serving(True)
