@@ -51,7 +51,7 @@ class ServerConfig:
     max_tile: int = DEFAULT_MAX_TILE  # largest block size the probe tries
     plain_block: int = 64  # block size when exact is off
     max_batch_rows: int = 0  # most rows in one batched forward across sessions (0 = the probed block)
-    append_rows: int = 0  # most AppendTokens rows per forward while a Generate streams (0 = a quarter of a batch)
+    append_rows: int = 0  # AppendTokens rows per forward while a Generate streams (0 = learnt: streams' gaps <= 2x)
     grace_s: float = 10.0  # drain time for in-flight RPCs at shutdown
     shards: tuple[str, ...] = ()  # host:port of running shard workers, head first (() = layers run here)
     spawn_shards: tuple[str, ...] = ()  # layer ranges START:END of workers this server spawns and restarts
@@ -92,7 +92,8 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch-rows", type=int, default=d.max_batch_rows,
                         help="most rows of all sessions in one forward (0 = the probed block)")
     parser.add_argument("--append-rows", type=int, default=d.append_rows,
-                        help="most AppendTokens rows per forward while a Generate streams (0 = a quarter of a batch)")
+                        help="AppendTokens rows per forward while a Generate streams (0 = as many as keep the "
+                             "streams' inter-token gap within 2x, learnt from the engine's own timings)")
     parser.add_argument("--grace", type=float, default=d.grace_s, help="seconds to drain RPCs on SIGTERM")
     shards = parser.add_mutually_exclusive_group()
     shards.add_argument("--shards", default="", metavar="HOST:PORT,...",

@@ -55,7 +55,7 @@ class Engine:
         """
         Args:
             max_batch_rows: most rows in one batched forward (0: the block size).
-            append_rows: most append rows per forward while a Generate streams (0: a quarter of the batch).
+            append_rows: append rows per forward while a Generate streams (0: learnt, see Scheduler).
         """
         self.loaded = loaded
         self.spec = loaded.spec
@@ -75,7 +75,7 @@ class Engine:
         self.backend: Backend = LocalBackend(loaded.model, loaded.spec, self.block)
         self.draft_backend = LocalBackend(draft.model, draft.spec, self.block) if draft is not None else None
         rows = min(max_batch_rows or self.block, self.block)
-        self.scheduler = Scheduler(lambda: self.backend, rows, append_rows or max(1, rows // 4))
+        self.scheduler = Scheduler(lambda: self.backend, rows, append_rows)
 
     def use_backend(self, backend: Backend) -> None:
         """Run the target's layers on `backend` from now on (call before serving; e.g. a shard route)."""

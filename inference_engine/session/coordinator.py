@@ -153,7 +153,8 @@ class SessionCoordinator:
             tokens_to_come: how many tokens may be committed before a restore; beyond the
                 rollback room the K/V is snapshotted (else a restore replays the whole log).
         """
-        kv = self.verifier.executor.snapshot() if tokens_to_come > self.geometry.max_rollback else None
+        deep = tokens_to_come > self.geometry.max_rollback and len(self.log) > 0  # an empty session rebuilds for free
+        kv = self.verifier.executor.snapshot() if deep else None
         return Checkpoint(len(self.log), self.verifier.next_token_logits, kv)
 
     def retract(self, n: int, logits: mx.array | None) -> None:
