@@ -200,7 +200,7 @@ class Runtime:
                 "SPECULATIVE_LOOKUP and GREEDY are available"
             )
         if p.options.stop:
-            require(self.text)  # issue 13: stop strings are matched on text
+            require(self.text)  # stop strings are matched on text
         session.acquire("Generate")
         try:
             if not session.history:
