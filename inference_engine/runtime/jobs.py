@@ -20,7 +20,7 @@ from inference_engine.decoding.drafter import Drafter
 from inference_engine.decoding.options import StepOptions
 from inference_engine.decoding.step import StepPlan, StepResult, finish_step, plan_step
 from inference_engine.errors import EngineUnavailable
-from inference_engine.runtime.scheduler import Job
+from inference_engine.runtime.scheduler import Job, resolve
 from inference_engine.runtime.types import AppendResult, GenerateParams, StopReason
 from inference_engine.session.coordinator import Checkpoint
 from inference_engine.session.session import Session
@@ -72,7 +72,7 @@ class AppendJob(Job):
         self._settle(None, exc or AppendCancelled("the append was cancelled; nothing was appended"))
 
     def _settle(self, result: AppendResult | None, exc: BaseException | None) -> None:
-        self._loop.call_soon_threadsafe(_resolve, self.future, result, exc)
+        self._loop.call_soon_threadsafe(resolve, self.future, result, exc)
 
 
 @dataclass(frozen=True)
@@ -195,12 +195,12 @@ class GenerateJob(Job):
         elif exc is not None:  # shutting down: end the stream properly
             self.stop = StopReason.CANCELLED
             self._push_end()
-        self._loop.call_soon_threadsafe(_resolve, self.finished, None, None)
+        self._loop.call_soon_threadsafe(resolve, self.finished, None, None)
 
     def _end(self) -> None:
         self.is_done = True
         self._push_end()
-        self._loop.call_soon_threadsafe(_resolve, self.finished, None, None)
+        self._loop.call_soon_threadsafe(resolve, self.finished, None, None)
 
     def _push_end(self) -> None:
         held = "" if self._retracted else self.text.finish_text()
@@ -208,11 +208,3 @@ class GenerateJob(Job):
                           self.text.usage(self.produced), self.params.options.sampling.seed)
         self._loop.call_soon_threadsafe(self.out.put_nowait, end)
 
-
-def _resolve(future: asyncio.Future, result: object, error: BaseException | None) -> None:
-    if future.done():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)

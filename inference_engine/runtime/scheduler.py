@@ -224,7 +224,7 @@ class Scheduler:
                 result, error = call.fn(*call.args), None
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 result, error = None, exc
-            call.loop.call_soon_threadsafe(_resolve, call.future, result, error)
+            call.loop.call_soon_threadsafe(resolve, call.future, result, error)
         self._deferred = waiting
 
     def _iterate(self) -> bool:
@@ -316,8 +316,9 @@ class Scheduler:
             self.stats = BatchStats()
 
 
-def _resolve(future: asyncio.Future, result: object, error: BaseException | None) -> None:
-    if future.cancelled():
+def resolve(future: asyncio.Future, result: object, error: BaseException | None) -> None:
+    """Settle `future` with `result` or `error` (on its loop; a no-op if it is already settled)."""
+    if future.done():
         return
     if error is not None:
         future.set_exception(error)
