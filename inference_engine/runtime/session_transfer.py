@@ -33,7 +33,7 @@ from inference_engine.runtime.runtime import Runtime
 from inference_engine.runtime.snapshot_files import SUFFIX, resolve, write_atomic
 from inference_engine.security.settings import ANONYMOUS
 from inference_engine.session.session import Session
-from inference_engine.session.snapshot import capture, install
+from inference_engine.session.snapshot import capture, install, seal
 from inference_engine.session.snapshot_format import (
     Fingerprint,
     PersistedIdentity,
@@ -121,7 +121,8 @@ class SessionTransfer:
             SessionNotFound: closed meanwhile. RuntimeServiceError: the state could not be read.
         """
         fingerprint = await self.fingerprint(session.sink, session.window)
-        return await self.engine.run(capture, session, fingerprint, identity, session=session)
+        copied = await self.engine.run(capture, session, fingerprint, identity, session=session)
+        return await asyncio.to_thread(seal, copied)  # hashing ~50 MB is no work for the engine thread
 
     async def snapshot(self, p: SnapshotParams) -> SnapshotTaken:
         """SnapshotSession: the caller's session as bytes, or as a file under the snapshot folder.

@@ -9,8 +9,9 @@ from __future__ import annotations
 import logging
 import secrets
 import time
+from typing import Callable
 
-from inference_engine.errors import PoolExhausted, SessionNotFound
+from inference_engine.errors import InvalidRequest, PoolExhausted, SessionNotFound
 from inference_engine.security.settings import ANONYMOUS
 from inference_engine.session.session import Session
 
@@ -25,6 +26,9 @@ class SessionStore:
         self.ttl_s = ttl_s
         self._sessions: dict[str, Session] = {}
         self._draining: set[str] = set()  # closed but still busy: slab not yet free
+        # Observers (--persist-sessions): a session was added or a call on it ended; one was closed or expired.
+        self.on_change: Callable[[Session], None] | None = None
+        self.on_remove: Callable[[Session], None] | None = None
 
     @staticmethod
     def new_id() -> str:
@@ -55,7 +59,11 @@ class SessionStore:
     def add(self, session: Session) -> None:
         """Register a built session (after `reserve`)."""
         self.reserve()
+        if session.session_id in self._sessions:
+            raise InvalidRequest(f"a session with id {session.tag}… already exists")
         self._sessions[session.session_id] = session
+        if self.on_change is not None:
+            self.on_change(session)
 
     def get(self, session_id: str, owner: str = ANONYMOUS) -> Session:
         """The open session with this id, if `owner` owns it.
@@ -82,9 +90,15 @@ class SessionStore:
         self._remove(session)
         return session
 
+    def sessions(self) -> list[Session]:
+        """Every open session."""
+        return list(self._sessions.values())
+
     def _remove(self, session: Session) -> None:
         del self._sessions[session.session_id]
         session.is_closed = True
+        if self.on_remove is not None:
+            self.on_remove(session)
         if session.is_busy:
             self._draining.add(session.session_id)
         else:
@@ -96,6 +110,8 @@ class SessionStore:
         if session.is_closed:
             self._draining.discard(session.session_id)
             session.free()
+        elif self.on_change is not None:
+            self.on_change(session)
 
     def close_all(self) -> None:
         """Close every session and free what is idle (shutdown)."""

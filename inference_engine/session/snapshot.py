@@ -1,14 +1,17 @@
-"""A session's state out (`capture`) and into a new session (`install`), on the engine thread.
+"""A session's state out (`capture`, then `seal`) and into a new session (`install`).
 
-`capture` runs at a clean point (the scheduler's `run(..., session=s)`: no block pending, no
-step unsent) and copies the log, the next-token logits and the canonical K/V into numpy;
-the digest it records is computed from exactly those bytes, the way `state_digest` is.
+`capture` runs on the engine thread at a clean point (the scheduler's `run(..., session=s)`:
+no block pending, no step unsent) and only copies the log, the next-token logits and the
+canonical K/V into numpy; `seal` then hashes them off the engine thread into the digest the
+snapshot records, computed from exactly those bytes the way `state_digest` is.
 `install` builds a new coordinator from them and recomputes the digest from the new
 caches (on a route: from the workers) before anyone can see the session: a state that does
 not reproduce its digest is refused and freed, never half restored.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
@@ -22,7 +25,7 @@ from inference_engine.verifier.sink_window_verifier import state_digest
 
 
 def capture(session: Session, fingerprint: Fingerprint, identity: PersistedIdentity | None = None) -> SessionSnapshot:
-    """The session's complete state now (engine thread, at a clean point).
+    """The session's complete state now (engine thread, at a clean point), its digest not yet computed (`seal`).
 
     Args:
         fingerprint: where the state may be restored (with this session's sink and window).
@@ -34,10 +37,17 @@ def capture(session: Session, fingerprint: Fingerprint, identity: PersistedIdent
     if session.is_closed:
         raise SessionNotFound(f"session {session.session_id!r} was closed before its snapshot was taken")
     tokens, logits, kv = session.coordinator.export_state()
-    visible = session.coordinator.geometry.visible_positions(len(tokens))[:-1] if tokens else []
-    digest = state_digest(logits, [tokens[q] for q in visible], len(tokens), kv.layer_digests())
     return SessionSnapshot(fingerprint, session.eos_token_ids, session.client_label,
-                           np.array(tokens, dtype=np.uint32), logits, kv, digest, identity)
+                           np.array(tokens, dtype=np.uint32), logits, kv, "", identity)
+
+
+def seal(snapshot: SessionSnapshot) -> SessionSnapshot:
+    """`snapshot` with the digest of the state it holds (GetSessionInfo's; any thread)."""
+    f, n = snapshot.fingerprint, snapshot.history_length
+    visible = CacheGeometry(f.sink, f.window, 1, 0).visible_positions(n)[:-1] if n else []
+    tokens = snapshot.tokens
+    digest = state_digest(snapshot.logits, [int(tokens[q]) for q in visible], n, snapshot.kv.layer_digests())
+    return dataclasses.replace(snapshot, state_digest=digest)
 
 
 def install(snapshot: SessionSnapshot, backend: Backend, geometry: CacheGeometry, tag: str = "") -> SessionCoordinator:
