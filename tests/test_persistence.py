@@ -182,3 +182,20 @@ async def test_failed_writes_are_logged_and_retried(engine, tmp_path, caplog, mo
         monkeypatch.undo()
         assert await p.close() == 1 and _history(p.path(sid)) == 4  # retried: nothing lost
         assert await open_persistence(SessionTransfer(served.runtime), None, 1, 0) is None
+
+
+def test_flags_build_the_config(tmp_path):
+    import argparse
+
+    from inference_engine.config import add_server_flags, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_server_flags(parser)
+    cfg = config_from_args(parser.parse_args(["--persist-sessions", str(tmp_path), "--persist-every", "3",
+                                              "--persist-interval", "5", "--snapshot-dir", str(tmp_path),
+                                              "--max-snapshot-bytes", "1000"]))
+    assert (cfg.persist_dir, cfg.persist_every, cfg.persist_interval_s) == (tmp_path, 3, 5.0)
+    assert (cfg.snapshot_dir, cfg.max_snapshot_bytes) == (tmp_path, 1000)
+    for bad in (["--persist-every", "0"], ["--persist-interval", "-1"], ["--max-snapshot-bytes", "0"]):
+        with pytest.raises(ValueError, match=bad[0]):
+            config_from_args(parser.parse_args(bad))

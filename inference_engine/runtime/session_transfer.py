@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from inference_engine.blas import active_blas
 from inference_engine.errors import InvalidRequest, InvariantViolation, SnapshotCorrupt, SnapshotIncompatible
@@ -89,6 +91,12 @@ class SessionRestored:
     window: int  # its window tokens
 
 
+@functools.lru_cache(maxsize=4)
+def vocabulary_digest(tokenizer: Any) -> str:
+    """Hex SHA-256 of a tokenizer's vocabulary (token -> id), once per tokenizer object (~0.3 s)."""
+    return hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode()).hexdigest()
+
+
 class SessionTransfer:
     """Snapshots, restores and forks over one runtime."""
 
@@ -97,18 +105,15 @@ class SessionTransfer:
         self.engine = runtime.engine
         self.store = runtime.store
         self.config = runtime.config
-        self._fingerprint: Fingerprint | None = None  # this server's, sink/window 0 (computed once)
+        self._fingerprint = self._own_fingerprint()  # once, at start-up (it hashes the vocabulary)
 
-    async def fingerprint(self, sink: int, window: int) -> Fingerprint:
+    def fingerprint(self, sink: int, window: int) -> Fingerprint:
         """What a snapshot of a session with this sink/window taken here records."""
-        if self._fingerprint is None:
-            self._fingerprint = await self.engine.run(self._own_fingerprint)
         return dataclasses.replace(self._fingerprint, sink=sink, window=window)
 
     def _own_fingerprint(self) -> Fingerprint:
-        loaded, tokenizer = self.engine.loaded, self.engine.loaded.tokenizer
-        vocab = "none" if tokenizer is None else hashlib.sha256(
-            json.dumps(sorted(tokenizer.get_vocab().items())).encode()).hexdigest()
+        loaded = self.engine.loaded
+        vocab = "none" if loaded.tokenizer is None else vocabulary_digest(loaded.tokenizer)
         return Fingerprint(model_fingerprint(loaded.model), vocab, active_blas(), self.engine.block,
                            self.engine.is_exact, 0, 0)
 
@@ -120,7 +125,7 @@ class SessionTransfer:
         Raises:
             SessionNotFound: closed meanwhile. RuntimeServiceError: the state could not be read.
         """
-        fingerprint = await self.fingerprint(session.sink, session.window)
+        fingerprint = self.fingerprint(session.sink, session.window)
         copied = await self.engine.run(capture, session, fingerprint, identity, session=session)
         return await asyncio.to_thread(seal, copied)  # hashing ~50 MB is no work for the engine thread
 
@@ -189,7 +194,7 @@ class SessionTransfer:
             SnapshotIncompatible, SnapshotCorrupt: see `check_fits`. PoolExhausted: no slab is free.
             RuntimeServiceError: the backend could not hold it.
         """
-        await self.check_fits(snap)
+        self.check_fits(snap)
         self.store.reserve()
         f = snap.fingerprint
         geometry = self.engine.geometry(f.sink, f.window)
@@ -205,7 +210,7 @@ class SessionTransfer:
             raise
         return session
 
-    async def check_fits(self, snap: SessionSnapshot) -> None:
+    def check_fits(self, snap: SessionSnapshot) -> None:
         """Everything a restore here needs, checked before anything is allocated.
 
         Raises:
@@ -213,7 +218,7 @@ class SessionTransfer:
             SnapshotCorrupt: shapes, dtypes or ids that do not fit this model (a damaged or forged file).
         """
         f, spec, cfg = snap.fingerprint, self.engine.spec, self.config
-        check_compatible(snap, await self.fingerprint(f.sink, f.window))
+        check_compatible(snap, self.fingerprint(f.sink, f.window))
         if f.sink > cfg.max_sink or not 1 <= f.window <= cfg.max_window:
             raise SnapshotIncompatible(f"the snapshot's session has sink {f.sink} and window {f.window}; this server "
                                        f"allows sink 0..{cfg.max_sink} and window 1..{cfg.max_window}")
