@@ -61,7 +61,7 @@ def test_sigkill_and_sigterm_restarts_continue_sessions(real_model_path, tmp_pat
         procs.append(proc)
         sid = stub.CreateSession(pb.CreateSessionRequest(client_label="survivor")).session_id
         stub.AppendTokens(pb.AppendTokensRequest(session_id=sid, tokens=PROMPT))
-        first = _generate(stub, sid, 8)
+        assert len(_generate(stub, sid, 8)) == 8
         reference = stub.ForkSession(pb.ForkSessionRequest(session_id=sid)).session_id
         want = _generate(stub, reference, 12)  # what `sid` says next, had nothing happened
         before = _info(stub, sid)

@@ -65,9 +65,9 @@ def install(snapshot: SessionSnapshot, backend: Backend, geometry: CacheGeometry
     try:
         digest = coordinator.state_digest()
         if digest != snapshot.state_digest:
-            raise SnapshotCorrupt(f"the restored state's digest {digest[:12]}… is not the {snapshot.state_digest[:12]}… "
-                                  "the snapshot records: its sections do not hold that state; nothing was restored",
-                                  "data")
+            raise SnapshotCorrupt(f"the restored state's digest {digest[:12]}… is not the "
+                                  f"{snapshot.state_digest[:12]}… the snapshot records: its sections do not hold "
+                                  "that state; nothing was restored", "data")
     except BaseException:
         coordinator.close()
         raise

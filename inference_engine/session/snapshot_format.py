@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from inference_engine.errors import SnapshotCorrupt, SnapshotIncompatible
-from inference_engine.verifier.kv_cache import CanonicalKV, CacheGeometry
+from inference_engine.verifier.kv_cache import CacheGeometry, CanonicalKV
 
 MAGIC = b"\x89IESNAP\n"
 FORMAT_VERSION = 1
@@ -172,8 +172,9 @@ def _parse(header: dict[str, Any], body: memoryview) -> SessionSnapshot:
                               _bool(fp["exact"]), _int(fp["sink"]), _int(fp["window"]))
     arrays, offset = {}, 0
     for section in header["sections"]:
-        name, dtype, shape = _str(section["name"]), np.dtype(_str(section["dtype"])), [_int(n) for n in section["shape"]]
-        allowed = {"tokens": ("<u4",), "logits": _FLOAT_DTYPES, "keys": _FLOAT_DTYPES, "values": _FLOAT_DTYPES}.get(name, ())
+        name, dtype = _str(section["name"]), np.dtype(_str(section["dtype"]))
+        shape = [_int(n) for n in section["shape"]]
+        allowed = ("<u4",) if name == "tokens" else _FLOAT_DTYPES if name in ("logits", "keys", "values") else ()
         if dtype.str not in allowed or name in arrays:
             raise SnapshotCorrupt(f"unexpected snapshot section {name!r} of dtype {dtype.str}", "data")
         size = math.prod(shape) * dtype.itemsize

@@ -18,9 +18,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from inference_engine.errors import InvariantViolation
 from inference_engine.model.forward import Segment, Span, forward, forward_rows
 from inference_engine.model.loader import ModelSpec
-from inference_engine.errors import InvariantViolation
 from inference_engine.verifier.kv_cache import CacheGeometry, CanonicalKV, SinkWindowKVCache
 from inference_engine.verifier.token_log import TokenLog
 
