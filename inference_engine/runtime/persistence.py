@@ -147,8 +147,9 @@ class SessionPersistence:
             try:
                 await self.save(session)
             except Exception as exc:  # noqa: BLE001 - retried at the next call or tick; serving goes on
-                log.warning("session %s could not be written (%s: %s); retrying later", session.tag,
-                            type(exc).__name__, exc)
+                if not session.is_closed:  # closed meanwhile: there is nothing left to write
+                    log.warning("session %s could not be written (%s: %s); retrying later", session.tag,
+                                type(exc).__name__, exc)
                 return
             if sid in self._unwritten:
                 self._unwritten[sid] = max(0, self._unwritten[sid] - pending)
@@ -164,6 +165,7 @@ class SessionPersistence:
         data = await asyncio.to_thread(encode, snap)
         if not session.is_closed:  # closed meanwhile: its file must not come back
             await asyncio.to_thread(write_atomic, self.path(session.session_id), data)
+            log.debug("session %s written (%d tokens, %d bytes)", session.tag, snap.history_length, len(data))
 
     async def _delete(self, session_id: str) -> None:
         async with self._lock(session_id):
