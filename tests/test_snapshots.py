@@ -3,6 +3,7 @@ trips and forks, files under --snapshot-dir, and every refusal (corrupt, truncat
 version or fingerprint field, over the limits, pool full) with its code, its message, the pool slot
 returned and the original session intact."""
 
+import asyncio
 import dataclasses
 import hashlib
 import json
@@ -288,3 +289,11 @@ async def test_file_restore_checks_owner_at_the_runtime(engine, tmp_path):
         streamed = fmt.decode(await snapshot_bytes(stub, sid))
         assert streamed.identity is None  # bytes handed to a client never carry ids or owners
         assert dataclasses.replace(streamed, identity=snap.identity).state_digest == snap.state_digest
+
+
+async def test_concurrent_restores_for_the_last_slot(engine):
+    async with running_server(engine, max_sessions=2) as (stub, runtime):
+        data = await snapshot_bytes(stub, await _session(stub))
+        results = await asyncio.gather(restore_bytes(stub, data), restore_bytes(stub, data), return_exceptions=True)
+        codes = sorted(r.code().name if isinstance(r, grpc.aio.AioRpcError) else "OK" for r in results)
+        assert codes == ["OK", "RESOURCE_EXHAUSTED"] and runtime.store.slabs_in_use == 2

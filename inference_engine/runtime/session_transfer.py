@@ -195,19 +195,20 @@ class SessionTransfer:
             RuntimeServiceError: the backend could not hold it.
         """
         self.check_fits(snap)
-        self.store.reserve()
         f = snap.fingerprint
         geometry = self.engine.geometry(f.sink, f.window)
-        coordinator = await self.engine.run(lambda: install(snap, self.engine.backend, geometry, short_id(session_id)))
-        session = Session(session_id, coordinator, f.sink, f.window, snap.eos_token_ids, snap.client_label,
-                          owner=owner)
-        if created_ns is not None:
-            session.created_ns = created_ns
-        try:
-            self.store.add(session)
-        except BaseException:
-            session.free()
-            raise
+        with self.store.reservation():  # the slab is held from here, and released on any failure
+            coordinator = await self.engine.run(
+                lambda: install(snap, self.engine.backend, geometry, short_id(session_id)))
+            session = Session(session_id, coordinator, f.sink, f.window, snap.eos_token_ids, snap.client_label,
+                              owner=owner)
+            if created_ns is not None:
+                session.created_ns = created_ns
+            try:
+                self.store.add(session, reserved=True)
+            except BaseException:
+                session.free()
+                raise
         return session
 
     def check_fits(self, snap: SessionSnapshot) -> None:

@@ -6,10 +6,11 @@ holds it: at once, or when its running call ends.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 from inference_engine.errors import InvalidRequest, PoolExhausted, SessionNotFound
 from inference_engine.security.settings import ANONYMOUS
@@ -26,6 +27,7 @@ class SessionStore:
         self.ttl_s = ttl_s
         self._sessions: dict[str, Session] = {}
         self._draining: set[str] = set()  # closed but still busy: slab not yet free
+        self._reserved = 0  # slabs held for sessions being built (`reservation`: restores, forks)
         # Observers (--persist-sessions): a session was added or a call on it ended; one was closed or expired.
         self.on_change: Callable[[Session], None] | None = None
         self.on_remove: Callable[[Session], None] | None = None
@@ -37,8 +39,8 @@ class SessionStore:
 
     @property
     def slabs_in_use(self) -> int:
-        """Open sessions plus closed ones whose last call has not finished."""
-        return len(self._sessions) + len(self._draining)
+        """Open sessions, closed ones whose last call has not finished, and reserved slabs."""
+        return len(self._sessions) + len(self._draining) + self._reserved
 
     def kv_bytes_in_use(self) -> int:
         """K/V bytes of every open session (target and draft slabs)."""
@@ -56,9 +58,25 @@ class SessionStore:
                 f"all {self.max_sessions} session slabs are in use; close a session or wait for idle ones to expire"
             )
 
-    def add(self, session: Session) -> None:
-        """Register a built session (after `reserve`)."""
+    @contextlib.contextmanager
+    def reservation(self) -> Iterator[None]:
+        """Hold one slab while a session is built (a restore or fork: slow); `add(..., reserved=True)`
+        inside takes it, and it is released whatever happens.
+
+        Raises:
+            PoolExhausted: all `max_sessions` slabs are in use.
+        """
         self.reserve()
+        self._reserved += 1
+        try:
+            yield
+        finally:
+            self._reserved -= 1
+
+    def add(self, session: Session, reserved: bool = False) -> None:
+        """Register a built session (after `reserve`, or inside a `reservation` with `reserved`)."""
+        if not reserved:
+            self.reserve()
         if session.session_id in self._sessions:
             raise InvalidRequest(f"a session with id {session.tag}… already exists")
         self._sessions[session.session_id] = session
