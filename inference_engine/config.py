@@ -60,6 +60,12 @@ class ServerConfig:
     shard_security: ClientSecurity = field(default_factory=ClientSecurity)  # what this server presents to --shards workers
     metrics_host: str = "127.0.0.1"  # address of the Prometheus endpoint
     metrics_port: int = 0  # Prometheus endpoint port; 0 = no endpoint
+    # -- session snapshots and persistence (README: "Session snapshots")
+    snapshot_dir: Path | None = None  # where SnapshotSession(to_dir) writes and RestoreSession(file) reads
+    max_snapshot_bytes: int = 1 << 30  # largest snapshot RestoreSession accepts
+    persist_dir: Path | None = None  # --persist-sessions: live sessions survive restarts here
+    persist_every: int = 1  # write a session after every N-th completed AppendTokens/Generate
+    persist_interval_s: float = 30.0  # and every S seconds if it has calls not yet written (0 = never)
 
 
 def add_server_flags(parser: argparse.ArgumentParser) -> None:
@@ -107,6 +113,18 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-port", type=int, default=d.metrics_port,
                         help="serve Prometheus metrics at http://METRICS_HOST:PORT/metrics (0 = off)")
     parser.add_argument("--metrics-host", default=d.metrics_host, help="address of the metrics endpoint")
+    # -- session snapshots and persistence
+    parser.add_argument("--snapshot-dir", type=Path, default=None,
+                        help="folder for SnapshotSession(to_dir) files and RestoreSession(file)")
+    parser.add_argument("--max-snapshot-bytes", type=int, default=d.max_snapshot_bytes,
+                        help="largest snapshot RestoreSession accepts")
+    parser.add_argument("--persist-sessions", type=Path, default=None, metavar="DIR",
+                        help="write live sessions here (after calls, periodically, at shutdown) and restore them "
+                        "with their ids at start-up")
+    parser.add_argument("--persist-every", type=int, default=d.persist_every,
+                        help="write a session after every N-th completed AppendTokens/Generate")
+    parser.add_argument("--persist-interval", type=float, default=d.persist_interval_s,
+                        help="seconds between writes of sessions with unwritten calls (0 = only after calls)")
 
 
 def _draft_choice(flag: str | None, model: str) -> str | None:
@@ -140,6 +158,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         shard_recovery_timeout_s=args.shard_recovery_timeout,
         security=server_security_from_args(args), shard_security=client_security_from_args(args, "shard-"),
         metrics_host=args.metrics_host, metrics_port=args.metrics_port,
+        snapshot_dir=args.snapshot_dir, max_snapshot_bytes=args.max_snapshot_bytes, persist_dir=args.persist_sessions,
+        persist_every=args.persist_every, persist_interval_s=args.persist_interval,
     )
     checks = {
         "--max-sessions": cfg.max_sessions >= 1,
@@ -157,6 +177,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         "--spawn-shards": all(r.count(":") == 1 and r.replace(":", "").isdigit() for r in cfg.spawn_shards),
         "--shard-recovery-timeout": cfg.shard_recovery_timeout_s > 0,
         "--metrics-port": 0 <= cfg.metrics_port <= 65535,
+        "--max-snapshot-bytes": cfg.max_snapshot_bytes >= 1,
+        "--persist-every": cfg.persist_every >= 1,
+        "--persist-interval": cfg.persist_interval_s >= 0,
     }
     bad = [flag for flag, ok in checks.items() if not ok]
     if bad:

@@ -27,6 +27,7 @@ from inference_engine.server.error_details import abort_with
 from inference_engine.server.health import RUNTIME_SERVICE, HealthReporter
 from inference_engine.server.rpc_observer import RpcObserver
 from inference_engine.server.servicer import RuntimeServicer
+from inference_engine.server.transfer_servicer import TransferServicer
 from inference_engine.v1 import runtime_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
@@ -81,7 +82,7 @@ async def open_frontend(cfg: ServerConfig, host: str, port: int) -> Frontend:
         interceptors.append(BearerAuthInterceptor(authenticator, reject=_reject))
     interceptors.append(DecodeGuard())
     server = grpc.aio.server(interceptors=interceptors)
-    servicer = RuntimeServicer(identify=authenticator.identity_of)
+    servicer = TransferServicer(identify=authenticator.identity_of)  # RuntimeServicer + the snapshot RPCs
     pb_grpc.add_RuntimeServiceServicer_to_server(servicer, server)
     health = HealthReporter()
     await health.set_serving(False)

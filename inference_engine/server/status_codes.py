@@ -23,6 +23,8 @@ class ErrorSpec:
 # Most specific class first is not needed: lookup walks each exception's MRO.
 ERROR_SPECS: dict[type[errors.RuntimeServiceError], ErrorSpec] = {
     errors.MalformedRequest: ErrorSpec(grpc.StatusCode.INVALID_ARGUMENT, "MALFORMED_REQUEST"),
+    errors.SnapshotCorrupt: ErrorSpec(grpc.StatusCode.INVALID_ARGUMENT, "SNAPSHOT_CORRUPT"),
+    errors.SnapshotIncompatible: ErrorSpec(grpc.StatusCode.FAILED_PRECONDITION, "SNAPSHOT_INCOMPATIBLE"),
     errors.InvalidRequest: ErrorSpec(grpc.StatusCode.INVALID_ARGUMENT, "INVALID_REQUEST"),
     errors.SessionNotFound: ErrorSpec(grpc.StatusCode.NOT_FOUND, "SESSION_NOT_FOUND"),
     errors.PoolExhausted: ErrorSpec(grpc.StatusCode.RESOURCE_EXHAUSTED, "POOL_EXHAUSTED", retry_after_s=1.0),

@@ -6,11 +6,13 @@ holds it: at once, or when its running call ends.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
 import time
+from typing import Callable, Iterator
 
-from inference_engine.errors import PoolExhausted, SessionNotFound
+from inference_engine.errors import InvalidRequest, PoolExhausted, SessionNotFound
 from inference_engine.security.settings import ANONYMOUS
 from inference_engine.session.session import Session
 
@@ -32,6 +34,10 @@ class SessionStore:
         self.max_kv_bytes = max_kv_bytes
         self._sessions: dict[str, Session] = {}
         self._draining: dict[str, Session] = {}  # closed but still busy: K/V not yet free
+        self._reserved = 0  # slabs held for sessions being built (`reservation`: restores, forks)
+        # Observers (--persist-sessions): a session was added or a call on it ended; one was closed or expired.
+        self.on_change: Callable[[Session], None] | None = None
+        self.on_remove: Callable[[Session], None] | None = None
 
     @staticmethod
     def new_id() -> str:
@@ -40,8 +46,8 @@ class SessionStore:
 
     @property
     def slabs_in_use(self) -> int:
-        """Open sessions plus closed ones whose last call has not finished."""
-        return len(self._sessions) + len(self._draining)
+        """Open sessions, closed ones whose last call has not finished, and reserved slabs."""
+        return len(self._sessions) + len(self._draining) + self._reserved
 
     def kv_bytes_in_use(self) -> int:
         """K/V bytes every session holds (target and draft slabs, closed ones still draining included)."""
@@ -73,14 +79,37 @@ class SessionStore:
                 f"{self.max_kv_bytes} ({used} in use): close a session, use a smaller window, or wait"
             )
 
-    def add(self, session: Session) -> None:
-        """Register a built session (after `reserve`).
+    @contextlib.contextmanager
+    def reservation(self) -> Iterator[None]:
+        """Hold one slab while a session is built (a restore or fork: slow); `add(..., reserved=True)`
+        inside takes it, and it is released whatever happens.
 
         Raises:
-            PoolExhausted: the pool filled up meanwhile.
+            PoolExhausted: all `max_sessions` slabs are in use.
         """
-        self.reserve(session.kv_bytes)
+        self.reserve()
+        self._reserved += 1
+        try:
+            yield
+        finally:
+            self._reserved -= 1
+
+    def add(self, session: Session, reserved: bool = False) -> None:
+        """Register a built session (after `reserve`, or inside a `reservation` with `reserved`).
+
+        Raises:
+            PoolExhausted: the pool (slabs or --max-kv-bytes) filled up meanwhile.
+            InvalidRequest: the id is taken.
+        """
+        if reserved:
+            self.reserve_bytes(session.kv_bytes)
+        else:
+            self.reserve(session.kv_bytes)
+        if session.session_id in self._sessions:
+            raise InvalidRequest(f"a session with id {session.tag}… already exists")
         self._sessions[session.session_id] = session
+        if self.on_change is not None:
+            self.on_change(session)
 
     def get(self, session_id: str, owner: str = ANONYMOUS) -> Session:
         """The open session with this id, if `owner` owns it.
@@ -107,9 +136,15 @@ class SessionStore:
         self._remove(session)
         return session
 
+    def sessions(self) -> list[Session]:
+        """Every open session."""
+        return list(self._sessions.values())
+
     def _remove(self, session: Session) -> None:
         del self._sessions[session.session_id]
         session.is_closed = True
+        if self.on_remove is not None:
+            self.on_remove(session)
         if session.is_busy:
             self._draining[session.session_id] = session
         else:
@@ -121,6 +156,8 @@ class SessionStore:
         if session.is_closed:
             self._draining.pop(session.session_id, None)
             session.free()
+        elif self.on_change is not None:
+            self.on_change(session)
 
     def close_all(self) -> None:
         """Close every session and free what is idle (shutdown)."""

@@ -310,3 +310,63 @@ class DetokenizeResponse(_message.Message):
     TEXT_FIELD_NUMBER: _ClassVar[int]
     text: str
     def __init__(self, text: _Optional[str] = ...) -> None: ...
+
+class SnapshotSessionRequest(_message.Message):
+    __slots__ = ("session_id", "to_dir")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TO_DIR_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    to_dir: bool
+    def __init__(self, session_id: _Optional[str] = ..., to_dir: _Optional[bool] = ...) -> None: ...
+
+class SnapshotSessionResponse(_message.Message):
+    __slots__ = ("data", "file", "snapshot_bytes", "history_length", "state_digest")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    STATE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    file: str
+    snapshot_bytes: int
+    history_length: int
+    state_digest: str
+    def __init__(self, data: _Optional[bytes] = ..., file: _Optional[str] = ..., snapshot_bytes: _Optional[int] = ..., history_length: _Optional[int] = ..., state_digest: _Optional[str] = ...) -> None: ...
+
+class RestoreSessionRequest(_message.Message):
+    __slots__ = ("data", "file")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    file: str
+    def __init__(self, data: _Optional[bytes] = ..., file: _Optional[str] = ...) -> None: ...
+
+class RestoreSessionResponse(_message.Message):
+    __slots__ = ("session_id", "history_length", "state_digest", "sink_tokens", "window_tokens")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    STATE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    SINK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    history_length: int
+    state_digest: str
+    sink_tokens: int
+    window_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., history_length: _Optional[int] = ..., state_digest: _Optional[str] = ..., sink_tokens: _Optional[int] = ..., window_tokens: _Optional[int] = ...) -> None: ...
+
+class ForkSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class ForkSessionResponse(_message.Message):
+    __slots__ = ("session_id", "history_length", "state_digest")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    STATE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    history_length: int
+    state_digest: str
+    def __init__(self, session_id: _Optional[str] = ..., history_length: _Optional[int] = ..., state_digest: _Optional[str] = ...) -> None: ...
