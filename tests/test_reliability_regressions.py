@@ -4,10 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from types import SimpleNamespace
 
+import grpc
+import pytest
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+
+from inference_engine.errors import InvalidRequest
 from inference_engine.runtime.runtime import Runtime
 from inference_engine.runtime.types import AppendParams, CreateSessionParams
+from inference_engine.text.chat import ChatLog, TextInput, resolve_input
+from inference_engine.text.codec import ChatMessage, TextCodec
+from inference_engine.v1 import runtime_pb2 as pb
 from tests.conftest import make_config
+from tests.ops_helpers import rpc_error, serving
 
 PROMPT = (5, 17, 33, 2, 250, 9, 9, 120, 64, 3)
 
@@ -44,3 +55,45 @@ async def test_info_never_shows_an_append_whose_caller_left_as_it_completed(tiny
     assert (info.history_length, info.state_digest) == (before.history_length, before.state_digest)
     assert (later.history_length, later.state_digest) == (before.history_length, before.state_digest)
     await runtime.close_session(sid)
+
+
+BAD_REQUEST_FIELDS = [  # INVALID_ARGUMENT used to come without a BadRequest for these
+    ("AppendTokens", pb.AppendTokensRequest(tokens=[1], add_generation_prompt=True), "add_generation_prompt"),
+    ("Generate", pb.GenerateRequest(top_logprobs=1), "top_logprobs"),
+    ("Tokenize", pb.TokenizeRequest(text="x", messages=[pb.ChatMessage(role="user")]), "text,messages"),
+    ("Tokenize", pb.TokenizeRequest(messages=[pb.ChatMessage(role="user")], add_special_tokens=True),
+     "add_special_tokens"),
+    ("Tokenize", pb.TokenizeRequest(text="x", add_generation_prompt=True), "add_generation_prompt"),
+]
+
+
+@pytest.mark.parametrize("method,request_,field", BAD_REQUEST_FIELDS)
+async def test_every_invalid_argument_names_its_field(tiny_engine, method, request_, field):
+    async with serving(tiny_engine) as served:
+        stub = served.stub()
+        sid = (await stub.CreateSession(pb.CreateSessionRequest())).session_id
+        if hasattr(request_, "session_id"):
+            request_.session_id = sid
+        call = getattr(stub, method)(request_)
+        err = await rpc_error(call.read() if method == "Generate" else call)
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        bad = error_details_pb2.BadRequest()
+        assert any(d.Unpack(bad) for d in rpc_status.from_call(err).details if d.Is(bad.DESCRIPTOR)), err.details()
+        assert [v.field for v in bad.field_violations] == [field]
+
+
+def test_resolved_inputs_name_their_field():
+    """Text or messages that encode to too many tokens, or a template that refuses them, name the field."""
+    many = SimpleNamespace(encode=lambda text, *a: [7] * 10, has_chat_template=True)
+    with pytest.raises(InvalidRequest) as err:
+        resolve_input(many, ChatLog(), [], TextInput("x"), (), limit=4)
+    assert err.value.field == "text"
+
+    def refuse(*args, **kwargs):
+        raise ValueError("roles must alternate")
+
+    codec = TextCodec(SimpleNamespace(backend_tokenizer=None, chat_template="{{ x }}", bos_token_id=None,
+                                      apply_chat_template=refuse))
+    with pytest.raises(InvalidRequest) as err:
+        codec.render([ChatMessage("user", "hi")], True)
+    assert err.value.field == "messages"
