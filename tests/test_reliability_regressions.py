@@ -12,12 +12,14 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from inference_engine.errors import InvalidRequest
+from inference_engine.model.loader import random_model
+from inference_engine.runtime.engine import Engine
 from inference_engine.runtime.runtime import Runtime
 from inference_engine.runtime.types import AppendParams, CreateSessionParams
 from inference_engine.text.chat import ChatLog, TextInput, resolve_input
 from inference_engine.text.codec import ChatMessage, TextCodec
 from inference_engine.v1 import runtime_pb2 as pb
-from tests.conftest import make_config
+from tests.conftest import make_config, running_server
 from tests.ops_helpers import rpc_error, serving
 
 PROMPT = (5, 17, 33, 2, 250, 9, 9, 120, 64, 3)
@@ -97,3 +99,39 @@ def test_resolved_inputs_name_their_field():
     with pytest.raises(InvalidRequest) as err:
         codec.render([ChatMessage("user", "hi")], True)
     assert err.value.field == "messages"
+
+
+@pytest.fixture(scope="module")
+def draft_engine(tiny):
+    e = Engine(tiny, exact=True, max_tile=16, plain_block=64, max_rollback=8, draft=random_model(seed=1))
+    yield e
+    e.close()
+
+
+async def test_a_draft_cache_far_behind_catches_up_a_share_per_step(draft_engine, monkeypatch):
+    """The first SPECULATIVE_DRAFT call on a long session computed the whole history into the draft cache in one
+    step: every other session's stream stalled meanwhile (297 s for 2,000 tokens on the packaged Q4 draft, found by
+    the battery's fuzz as deadlines) and a cancel could not land. It now catches up as an append would, a share of
+    a batch per step; the tokens are plain decoding's, and once level it drafts again."""
+    rows: list[int] = []
+    forward = draft_engine.draft_backend.forward
+
+    def counting(blocks, *args, **kwargs):
+        rows.append(sum(len(b.tokens) for b in blocks))
+        return forward(blocks, *args, **kwargs)
+
+    monkeypatch.setattr(draft_engine.draft_backend, "forward", counting)
+    history = [(7 * i) % 250 + 3 for i in range(80)]
+    streams, last = {}, None
+    async with running_server(draft_engine) as (stub, _):
+        for mode in (pb.DECODE_MODE_GREEDY, pb.DECODE_MODE_SPECULATIVE_DRAFT):
+            sid = (await stub.CreateSession(pb.CreateSessionRequest(sink_tokens=2, window_tokens=32))).session_id
+            await stub.AppendTokens(pb.AppendTokensRequest(session_id=sid, tokens=history))
+            streams[mode] = []
+            async for m in stub.Generate(pb.GenerateRequest(session_id=sid, max_new_tokens=60, ignore_eos=True, mode=mode,
+                                                            num_draft_tokens=4)):
+                streams[mode] += m.tokens
+                last = m
+    assert streams[pb.DECODE_MODE_SPECULATIVE_DRAFT] == streams[pb.DECODE_MODE_GREEDY]
+    assert last.drafted_tokens > 0
+    assert rows and max(rows) <= draft_engine.scheduler.append_rows < len(history)

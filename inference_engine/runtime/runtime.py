@@ -57,7 +57,8 @@ class Runtime:
         self.text = text_codec(engine.loaded.tokenizer)  # the model's tokenizer; None = token ids only
         self.drafters: dict[DecodeMode, Drafter] = {DecodeMode.SPECULATIVE_LOOKUP: PromptLookupDrafter()}
         if engine.has_draft_model:
-            self.drafters[DecodeMode.SPECULATIVE_DRAFT] = ModelDrafter(self._draft_cache)
+            # The draft cache catches up with a long history as an append would: a share of a batch per step.
+            self.drafters[DecodeMode.SPECULATIVE_DRAFT] = ModelDrafter(self._draft_cache, engine.scheduler.append_rows)
 
     def _draft_cache(self, session: Session) -> SinkWindowVerifier:
         """A draft-model cache for `session`, counted in the pool (engine thread).
