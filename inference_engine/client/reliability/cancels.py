@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import grpc
 
 from inference_engine.client.reliability.outcomes import (
+    BUSY_PATIENCE_S,
     BUSY_RETRY_S,
     CANCELLED,
     CANCELLED_BY_CLIENT,
@@ -106,9 +107,10 @@ async def _append_trial(c: _Client, how: str, delay: float) -> None:
     before = await state_of(stub, c.sid)
     tokens = [c.rng.randrange(3, c.lim.vocab_size) for _ in range(c.rng.randint(1, c.plan.append_tokens))]
     req = pb.AppendTokensRequest(session_id=c.sid, tokens=tokens)
-    for _ in range(5):
+    give_up = time.monotonic() + BUSY_PATIENCE_S
+    while True:
         got = await _interrupt(stub.AppendTokens(req, timeout=delay if how == "deadline" else RPC_TIMEOUT_S), how, delay)
-        if got.code != "ABORTED":
+        if got.code != "ABORTED" or time.monotonic() > give_up:
             break
         report.count("ABORTED retried (the session was still ending an interrupted call)")
         await asyncio.sleep(BUSY_RETRY_S)
@@ -171,7 +173,8 @@ async def _generate_trial(c: _Client, how: str, delay: float) -> None:
     before = await state_of(stub, c.sid)
     req = pb.GenerateRequest(session_id=c.sid, max_new_tokens=c.plan.new_tokens, ignore_eos=True, **fields)
     k = c.rng.randint(1, 4)
-    for _ in range(5):
+    give_up = time.monotonic() + BUSY_PATIENCE_S
+    while True:
         call = stub.Generate(req, timeout=delay if how == "deadline" else None)
         read: list[int] = []
         reader = asyncio.ensure_future(_read_stream(call, how, k, read))
@@ -180,7 +183,7 @@ async def _generate_trial(c: _Client, how: str, delay: float) -> None:
             if not done:
                 call.cancel()
         got, last = await reader
-        if got.code != "ABORTED" or read:
+        if got.code != "ABORTED" or read or time.monotonic() > give_up:
             break
         report.count("ABORTED retried (the session was still ending an interrupted call)")
         await asyncio.sleep(BUSY_RETRY_S)

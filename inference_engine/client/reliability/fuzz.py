@@ -47,12 +47,13 @@ from inference_engine.v1 import runtime_pb2_grpc as pb_grpc
 # The codes each method may answer a fuzzed request with (README "Errors"); DEADLINE_EXCEEDED is our own deadline.
 DOCUMENTED: dict[str, frozenset[str]] = {
     "CreateSession": frozenset({"OK", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"}),
-    "AppendTokens": frozenset({"OK", "INVALID_ARGUMENT", "NOT_FOUND", "FAILED_PRECONDITION", "ABORTED", "DEADLINE_EXCEEDED"}),
+    "AppendTokens": frozenset({"OK", "INVALID_ARGUMENT", "NOT_FOUND", "FAILED_PRECONDITION", "ABORTED", "DEADLINE_EXCEEDED",
+                               "RESOURCE_EXHAUSTED"}),  # over gRPC's 4 MiB message limit
     "Generate": frozenset({"OK", "INVALID_ARGUMENT", "NOT_FOUND", "FAILED_PRECONDITION", "ABORTED", "DEADLINE_EXCEEDED"}),
     "CloseSession": frozenset({"OK", "INVALID_ARGUMENT", "NOT_FOUND"}),
     "GetSessionInfo": frozenset({"OK", "INVALID_ARGUMENT", "NOT_FOUND"}),
     "GetModelInfo": frozenset({"OK", "INVALID_ARGUMENT"}),
-    "Tokenize": frozenset({"OK", "INVALID_ARGUMENT", "FAILED_PRECONDITION", "DEADLINE_EXCEEDED"}),
+    "Tokenize": frozenset({"OK", "INVALID_ARGUMENT", "FAILED_PRECONDITION", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"}),
     "Detokenize": frozenset({"OK", "INVALID_ARGUMENT", "FAILED_PRECONDITION", "DEADLINE_EXCEEDED"}),
 }
 RESPONSES = {"CreateSession": pb.CreateSessionResponse, "AppendTokens": pb.AppendTokensResponse}
@@ -64,8 +65,8 @@ class FuzzPlan:
     """How much to fuzz."""
 
     examples: int = 150  # examples per message kind (8 kinds)
-    call_timeout_s: float = 20.0  # gRPC deadline of each call
-    example_deadline_s: float = 90.0  # hypothesis deadline of one example (a few calls)
+    call_timeout_s: float = 60.0  # gRPC deadline of each call
+    example_deadline_s: float = 300.0  # hypothesis deadline of one example (a few calls)
     seed: int = 0  # hypothesis seed (a run is reproducible)
     shrink: bool = True  # shrink a failing example to a minimal one
 
@@ -77,6 +78,11 @@ class Fuzzed:
     method: str
     request: object  # a request message, or raw bytes
     expected_length: object = None  # AppendTokens: CURRENT, an int, or None (unset)
+
+    def __repr__(self) -> str:  # a falsifying example's report stays readable (texts can be 1 MiB)
+        text = repr(self.request) if isinstance(self.request, bytes) else str(self.request).replace("\n", " ")
+        short = text if len(text) <= 600 else f"{text[:300]} ...[{len(text)} chars]... {text[-200:]}"
+        return f"Fuzzed({self.method}, {short}, expected_length={self.expected_length!r})"
 
 
 class _Fuzzer:

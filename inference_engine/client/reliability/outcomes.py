@@ -10,6 +10,7 @@ cancel, a message over gRPC's size limit, a connection that could not be made.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -37,6 +38,7 @@ TRANSPORT = frozenset({C.DEADLINE_EXCEEDED, C.CANCELLED, C.RESOURCE_EXHAUSTED, C
 NEVER = frozenset({C.UNKNOWN, C.INTERNAL})  # never acceptable in this battery
 CANCELLED_BY_CLIENT = "CANCELLED_BY_CLIENT"  # `Outcome.code` of a call this client cancelled itself
 BUSY_RETRY_S = 0.1  # the RetryInfo delay of ABORTED (SESSION_BUSY)
+BUSY_PATIENCE_S = 60.0  # how long a client keeps retrying a busy session after interrupting a call
 
 
 @dataclass(frozen=True)
@@ -132,18 +134,19 @@ async def call_outcome(call: object) -> tuple[Outcome, object]:
         return outcome_of(err), None
 
 
-async def patient_outcome(make_call: Callable[[], object], tries: int = 5) -> tuple[Outcome, object, int]:
+async def patient_outcome(make_call: Callable[[], object], patience_s: float = BUSY_PATIENCE_S) -> tuple[Outcome, object, int]:
     """As `call_outcome`, retrying ABORTED (the session still busy) after its RetryInfo delay, as a client should.
 
-    A call right after one the client interrupted may find the server still ending that one.
+    A call right after one the client interrupted may find the server still ending that one
+    (cancellation lands at the end of the running step).
 
     Returns:
         (Outcome, response or None, how many ABORTED answers were retried).
     """
-    retried = 0
+    retried, give_up = 0, time.monotonic() + patience_s
     while True:
         got, reply = await call_outcome(make_call())
-        if got.code != "ABORTED" or retried + 1 >= tries:
+        if got.code != "ABORTED" or time.monotonic() > give_up:
             return got, reply, retried
         retried += 1
         await asyncio.sleep(BUSY_RETRY_S)

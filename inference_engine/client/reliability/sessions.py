@@ -16,7 +16,7 @@ import grpc
 from inference_engine.v1 import runtime_pb2 as pb
 from inference_engine.v1 import runtime_pb2_grpc as pb_grpc
 
-RPC_TIMEOUT_S = 60.0  # unary calls the battery does not mean to interrupt
+RPC_TIMEOUT_S = 600.0  # calls the battery does not mean to interrupt (a replay prefills a whole history)
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Collection
@@ -20,6 +21,7 @@ from typing import Awaitable, Callable, Collection
 import grpc
 
 from inference_engine.client.reliability.outcomes import (
+    BUSY_PATIENCE_S,
     BUSY_RETRY_S,
     CANCELLED_BY_CLIENT,
     OK,
@@ -121,9 +123,10 @@ class _Client:
         request = self.generate_request()
         allowed = {"OK"} | ({CANCELLED_BY_CLIENT} if how == "cancel" else set()) | \
             ({"DEADLINE_EXCEEDED"} if how == "deadline" else set())
-        for _ in range(5):
+        give_up = time.monotonic() + BUSY_PATIENCE_S
+        while True:
             got, last = await self._stream(request, how)
-            if got.code != "ABORTED" or last is not None:
+            if got.code != "ABORTED" or last is not None or time.monotonic() > give_up:
                 break
             self.codes["ABORTED retried (the session was still ending an interrupted call)"] += 1
             await asyncio.sleep(BUSY_RETRY_S)
