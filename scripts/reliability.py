@@ -54,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="extra `serve` flag (repeatable; use --serve-flag=--x for a value starting with -)")
     parser.add_argument("--out", type=Path, default=None,
                         help="JSON path (default results/reliability/<date>-<host>[-quick].json)")
+    parser.add_argument("--keep-logs", type=Path, default=None, metavar="DIR",
+                        help="keep the servers' logs here (default: a temporary folder, removed)")
     args = parser.parse_args(argv)
     sections = [s for s in args.sections.split(",") if s]
     unknown = set(sections) - set(SECTIONS)
@@ -65,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
                                fuzz=dataclasses.replace(plan.fuzz, seed=args.seed))
     started = datetime.now(timezone.utc)
     with tempfile.TemporaryDirectory(prefix="reliability-") as tmp:
-        workdir = Path(tmp)
+        workdir = args.keep_logs or Path(tmp)
+        workdir.mkdir(parents=True, exist_ok=True)
         pki = _pki(workdir) if "security" in sections else None
         data = asyncio.run(run_battery(plan, args.model, workdir, sections, args.serve_flag, pki))
     data = {"date": started.isoformat(timespec="seconds"), "commit": _commit(),
