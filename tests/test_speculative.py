@@ -45,10 +45,11 @@ def test_prompt_lookup_proposals(engine):
 
 
 def test_model_drafter_follows_the_log_lazily(engine):
-    d = ModelDrafter(lambda s: engine.make_draft_cache(2, 8))
+    d = ModelDrafter(lambda s: engine.make_draft_cache(2, 8), catch_up=64)
 
     def fresh(tokens: list[int], next_token: int, k: int) -> list[int]:
-        return ModelDrafter(lambda s: engine.make_draft_cache(2, 8)).propose(_session(engine, tokens), next_token, k)
+        return ModelDrafter(lambda s: engine.make_draft_cache(2, 8), catch_up=64).propose(_session(engine, tokens),
+                                                                                          next_token, k)
 
     s = _session(engine, PROMPT[:10])
     a = d.propose(s, 7, 4)

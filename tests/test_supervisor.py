@@ -3,9 +3,13 @@
 import asyncio
 import socket
 
+import grpc
 import pytest
 
+from inference_engine.security.credentials import open_channel
 from inference_engine.shard.client.supervisor import WorkerFlags, WorkerSupervisor
+from inference_engine.v1 import shard_runtime_pb2 as spb
+from inference_engine.v1.shard_runtime_pb2_grpc import ShardRuntimeStub
 
 pytestmark = pytest.mark.real_model
 
@@ -45,3 +49,22 @@ async def test_restart_retries_until_the_port_is_free_again(real_model_path):
     finally:
         await sup.stop(grace_s=0)  # no grace: the kill path
     assert sup.procs[0].returncode is not None
+
+
+async def test_spawned_workers_require_the_supervisors_token(real_model_path):
+    """Workers bound to loopback are reachable by any local user: they require the supervisor's private token."""
+    sup = WorkerSupervisor(("0:1",), _flags(str(real_model_path)))
+    (address,) = await sup.start()
+    try:
+        async with open_channel(address) as plain:  # any local process, without the token
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await ShardRuntimeStub(plain).GetCapability(spb.ShardCapabilityRequest(), timeout=30)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        async with open_channel(address, sup.client_security) as authed:
+            capability = await ShardRuntimeStub(authed).GetCapability(spb.ShardCapabilityRequest(), timeout=30)
+            assert capability.kernels
+        token_file = sup.token_file
+        assert token_file.stat().st_mode & 0o777 == 0o600
+    finally:
+        await sup.stop()
+    assert not token_file.exists()

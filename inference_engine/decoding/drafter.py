@@ -63,20 +63,29 @@ class ModelDrafter(Drafter):
     the tokens it has not seen.
     """
 
-    def __init__(self, make_cache: Callable[[Session], SinkWindowVerifier]):
+    def __init__(self, make_cache: Callable[[Session], SinkWindowVerifier], catch_up: int = 16):
         """
         Args:
             make_cache: a fresh draft-model cache for a session (same geometry, no token log).
+            catch_up: most log tokens one call computes into the draft cache. Further behind (a
+                long history on first use), the cache catches up that many per step and proposes
+                nothing until level: one step never holds the engine thread for a whole prefill.
         """
+        if catch_up < 1:
+            raise ValueError(f"catch_up must be at least 1 token, not {catch_up}")
         self._make_cache = make_cache
+        self.catch_up = catch_up
 
     def _cache(self, session: Session) -> DraftCache:
         if session.draft is None:
             session.draft = DraftCache(self._make_cache(session), session.history.watermark())
         return session.draft
 
-    def _sync(self, session: Session, next_token: int) -> DraftCache:
-        """Make the draft cache hold exactly log + [next_token] except its last token, with logits after it."""
+    def _sync(self, session: Session, next_token: int) -> DraftCache | None:
+        """Make the draft cache hold exactly log + [next_token] except its last token, with logits after it.
+
+        Returns None when it is more than `catch_up` tokens behind: it took one chunk of the log.
+        """
         d, log = self._cache(session), session.history
         n = len(log)
         context_at = lambda i: log[i] if i < n else next_token  # noqa: E731 - context = log + [next_token]
@@ -96,6 +105,12 @@ class ModelDrafter(Drafter):
         if held > common:
             d.verifier.rollback(held - common)
         todo = [context_at(i) for i in range(common, n + 1)]
+        if len(todo) > self.catch_up:  # far behind: one chunk of the log now, the rest at the next steps
+            d.verifier.forward_block(todo[: self.catch_up], all_logits=False)
+            d.verifier.commit_or_truncate(self.catch_up, self.catch_up)
+            d.length, d.drafted = common + self.catch_up, []
+            d.followed.valid = d.length
+            return None
         d.verifier.forward_block(todo, all_logits=False)
         d.verifier.commit_or_truncate(len(todo), len(todo))
         d.length, d.drafted = n, [next_token]
@@ -105,6 +120,8 @@ class ModelDrafter(Drafter):
     def propose(self, session: Session, next_token: int, k: int) -> list[int]:
         """k greedy tokens of the draft model after the log and `next_token`."""
         d = self._sync(session, next_token)
+        if d is None:
+            return []
         out: list[int] = []
         for i in range(k):
             token = int(mx.argmax(d.verifier.next_token_logits).item())

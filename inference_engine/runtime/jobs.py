@@ -32,18 +32,33 @@ class AppendCancelled(Exception):
 
 
 class AppendJob(Job):
-    """Feeds an AppendTokens call's tokens in chunks; resolves `future` with the result."""
+    """Feeds an AppendTokens call's tokens in chunks; resolves `future` with the result.
+
+    The result counts as appended only once the caller takes it (`take`, as a Generate step
+    counts once handed to its stream); until then the job is not quiescent, so no describe
+    or close can show an append whose caller went away and whose abort will undo it.
+    """
 
     def __init__(self, session: Session, tokens: list[int], loop: asyncio.AbstractEventLoop):
         super().__init__(session)
         self.tokens = tokens
         self.fed = 0  # tokens committed so far
         self.future: asyncio.Future[AppendResult] = loop.create_future()
+        self.finished: asyncio.Future[None] = loop.create_future()  # resolved once the job ended (taken or undone)
         self._loop = loop
         self._block: Block | None = None
         self.mark: Checkpoint | None = None  # where the session stood before the call (taken at the first plan)
+        self._lock = threading.Lock()  # orders `take` (loop thread) against `abort` (engine thread)
+        self._is_computed = False  # every token committed; the result waits for the caller
+        self._is_taken = False  # the caller took the result: it counts as appended
+        self._is_undone = False  # aborted before the caller took it: nothing appended
 
     def plan(self, budget: int) -> Block | None:
+        if self._is_computed:  # wait for the caller to take the result, or to go away (then abort undoes it)
+            if self._is_taken:
+                self.is_done = True
+                self._loop.call_soon_threadsafe(resolve, self.finished, None, None)
+            return None
         if self.session.is_closed:  # closed while appending: undo it (the close reports the history without it)
             self.is_cancelled = True
             return None
@@ -62,14 +77,29 @@ class AppendJob(Job):
         self.fed += len(block.tokens)
         if self.fed == len(self.tokens):
             mx.eval(coord.verifier.next_token_logits)  # the call succeeds only once computed
-            self.is_done = True
+            self._is_computed = True
             self._settle(AppendResult(len(coord.log), coord.verifier.next_global_position, tuple(self.tokens)), None)
 
+    def take(self) -> bool:
+        """The caller takes the result (loop thread; wake the scheduler after): from here on it counts.
+
+        Returns:
+            False if the job was aborted first (the append was undone).
+        """
+        with self._lock:
+            if not self._is_undone:
+                self._is_taken = True
+            return self._is_taken
+
     def abort(self, exc: BaseException | None) -> None:
-        if self.mark is not None:
-            self.session.coordinator.restore(self.mark)
+        with self._lock:
+            if not self._is_taken:
+                if self.mark is not None:
+                    self.session.coordinator.restore(self.mark)
+                self._is_undone = True
         self.is_done = True
         self._settle(None, exc or AppendCancelled("the append was cancelled; nothing was appended"))
+        self._loop.call_soon_threadsafe(resolve, self.finished, None, None)
 
     def _settle(self, result: AppendResult | None, exc: BaseException | None) -> None:
         self._loop.call_soon_threadsafe(resolve, self.future, result, exc)

@@ -57,7 +57,9 @@ class Runtime:
         self.text = text_codec(engine.loaded.tokenizer)  # the model's tokenizer; None = token ids only
         self.drafters: dict[DecodeMode, Drafter] = {DecodeMode.SPECULATIVE_LOOKUP: PromptLookupDrafter()}
         if engine.has_draft_model:
-            self.drafters[DecodeMode.SPECULATIVE_DRAFT] = ModelDrafter(self._draft_cache)
+            # The draft cache catches up with a long history as an append would: a batch's rows per step at most.
+            catch_up = engine.scheduler.append_rows or engine.scheduler.max_rows
+            self.drafters[DecodeMode.SPECULATIVE_DRAFT] = ModelDrafter(self._draft_cache, catch_up)
 
     def _draft_cache(self, session: Session) -> SinkWindowVerifier:
         """A draft-model cache for `session`, counted in the pool (engine thread).
@@ -164,18 +166,21 @@ class Runtime:
             except asyncio.CancelledError:
                 await self._undo_append(job)
                 raise
+            is_taken = job.take()  # from here on the append counts (no await in between: no cancel can land)
+            self.engine.scheduler.wake()
+            if not is_taken:
+                raise EngineUnavailable("the engine is shutting down; nothing was appended")
             session.chat = chat
             return result
         finally:
             self.store.release(session)
 
     async def _undo_append(self, job: AppendJob) -> None:
-        """The caller went away: stop the job, or undo it if it had already completed."""
+        """The caller went away: the job stops, or undoes the append if it had completed (on the engine thread)."""
         job.cancel()
         self.engine.scheduler.wake()
-        await asyncio.wait([job.future])
-        if not job.future.cancelled() and job.future.exception() is None:
-            await self.engine.run(job.session.coordinator.restore, job.mark)
+        await asyncio.wait([job.finished])
+        job.future.exception()  # retrieved: an undone append's error goes to no one
 
     def _closed(self, session: Session) -> SessionNotFound:
         return SessionNotFound(f"session {session.session_id!r} was closed before the call completed; nothing was "

@@ -245,6 +245,7 @@ class SessionTransfer:
         if folder is None:
             raise InvariantViolation("this server has no snapshot folder (start it with --snapshot-dir DIR); "
                                      "take the snapshot as bytes instead (to_dir false)")
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)  # a folder named but not made yet is made private
         return folder
 
     @staticmethod

@@ -43,7 +43,7 @@ def append_params(v: Validator, r: pb.AppendTokensRequest) -> AppendParams:
     given = v.one_of("AppendTokensRequest", {"tokens": len(r.tokens) > 0, "text": r.text != "",
                                              "messages": len(r.messages) > 0})
     if r.add_generation_prompt and given != "messages":
-        raise InvalidRequest("AppendTokensRequest.add_generation_prompt applies to messages only")
+        raise InvalidRequest("AppendTokensRequest.add_generation_prompt applies to messages only", "add_generation_prompt")
     if given == "tokens":
         return AppendParams(sid, v.items("AppendTokensRequest.tokens", list(r.tokens)), expected_history_length=expected)
     if given == "text":
@@ -68,7 +68,7 @@ def generate_params(v: Validator, cfg: ServerConfig, r: pb.GenerateRequest) -> G
         seed=r.seed if r.HasField("seed") else secrets.randbits(64),
     )
     if r.top_logprobs and not r.logprobs:
-        raise InvalidRequest("GenerateRequest.top_logprobs needs logprobs = true")
+        raise InvalidRequest("GenerateRequest.top_logprobs needs logprobs = true", "top_logprobs")
     options = GenerationOptions(
         sampling=sampling,
         stop=v.strings("GenerateRequest.stop", list(r.stop)),
@@ -121,13 +121,14 @@ def tokenize_input(v: Validator, r: pb.TokenizeRequest) -> TextInput | ChatInput
         InvalidRequest: both text and messages; a flag that does not apply; a bound is broken.
     """
     if r.text and r.messages:
-        raise InvalidRequest("TokenizeRequest needs exactly one of text, messages; got text and messages")
+        raise InvalidRequest("TokenizeRequest needs exactly one of text, messages; got text and messages", "text,messages")
     if r.messages:
         if r.add_special_tokens:
-            raise InvalidRequest("TokenizeRequest.add_special_tokens applies to text only (the template adds them)")
+            raise InvalidRequest("TokenizeRequest.add_special_tokens applies to text only (the template adds them)",
+                                 "add_special_tokens")
         return ChatInput(chat_messages(v, "TokenizeRequest.messages", r.messages), r.add_generation_prompt)
     if r.add_generation_prompt:
-        raise InvalidRequest("TokenizeRequest.add_generation_prompt applies to messages only")
+        raise InvalidRequest("TokenizeRequest.add_generation_prompt applies to messages only", "add_generation_prompt")
     v.length("TokenizeRequest.text", len(r.text))
     return TextInput(r.text)
 

@@ -84,9 +84,9 @@ async def connect_shards(cfg: ServerConfig, engine: Engine) -> tuple[ShardRoute 
         addresses = await supervisor.start()
     if not addresses:
         return None, None
-    # Spawned workers are this process's loopback children; --shards workers get the --shard-tls-*/token flags.
+    # Spawned workers require the supervisor's own token; --shards workers get the --shard-tls-*/token flags.
     route = ShardRoute(addresses, cfg.shard_recovery_timeout_s,
-                       channel_security=None if cfg.spawn_shards else cfg.shard_security)
+                       channel_security=supervisor.client_security if supervisor is not None else cfg.shard_security)
     try:
         await route.start()
         g = engine.geometry(1, 1)

@@ -89,7 +89,7 @@ def resolve_input(
         tokens, chat, is_continuation = _continue_chat(codec, chat, history, request, set(eos_token_ids))
         field = "messages"
     if not 1 <= len(tokens) <= limit:
-        raise InvalidRequest(f"AppendTokensRequest.{field} encodes to {len(tokens)} tokens; allowed 1..{limit}")
+        raise InvalidRequest(f"AppendTokensRequest.{field} encodes to {len(tokens)} tokens; allowed 1..{limit}", field)
     return ResolvedInput(tuple(tokens), chat, is_continuation)
 
 
@@ -130,7 +130,7 @@ def _turn_alone(codec: TextCodec, request: ChatInput) -> str:
     whole = codec.render([*before, *request.messages], request.add_generation_prompt)
     if not whole.startswith(head):
         raise InvalidRequest("the chat template does not render these messages as a continuation of a conversation; "
-                             "start a new session for them")
+                             "start a new session for them", "messages")
     return whole[len(head) :]
 
 

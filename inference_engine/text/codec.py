@@ -71,7 +71,8 @@ class TextCodec:
             return self.hf.apply_chat_template(
                 conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
         except Exception as exc:  # noqa: BLE001 - jinja's errors (raise_exception, undefined) are the client's
-            raise InvalidRequest(f"the chat template refused these messages: {type(exc).__name__}: {exc}") from exc
+            raise InvalidRequest(f"the chat template refused these messages: {type(exc).__name__}: {exc}",
+                                 "messages") from exc
 
 
 def text_codec(tokenizer: Any | None) -> TextCodec | None:

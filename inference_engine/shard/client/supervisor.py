@@ -3,6 +3,10 @@
 Each layer range runs as a `shard-worker` subprocess. The first start picks a free port;
 a worker that dies is restarted at the same address, so the route (and its clients'
 channels) stays the same and sessions recover by replay (see route_backend.py).
+
+The workers listen on loopback, where any local user could reach them: each supervisor
+makes a random bearer token, gives it to its workers in a private file (`--auth-token-file`,
+mode 0600, removed at stop) and presents it on the route (`client_security`).
 """
 
 from __future__ import annotations
@@ -11,10 +15,14 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import sys
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 from inference_engine.readiness import wait_ready_async
+from inference_engine.security.settings import ClientSecurity
 
 log = logging.getLogger(__name__)
 READY_TIMEOUT_S = 300.0  # loading a layer range (and probing) can take a while on a busy machine
@@ -44,6 +52,19 @@ class WorkerSupervisor:
         self.restarts = 0  # workers restarted since start
         self._watchers: list[asyncio.Task] = []
         self._stopping = False
+        self._token = secrets.token_hex(32)  # what the workers require and the route presents
+        self.token_file: Path | None = None  # the workers' --auth-token-file (private; made at start)
+
+    @property
+    def client_security(self) -> ClientSecurity:
+        """What the route presents to these workers (their bearer token)."""
+        return ClientSecurity(token=self._token)
+
+    def _write_token_file(self) -> Path:
+        fd, name = tempfile.mkstemp(prefix="inference-engine-shard-token-", suffix=".txt")  # mode 0600
+        with os.fdopen(fd, "w") as f:
+            f.write(self._token + "\n")
+        return Path(name)
 
     async def start(self) -> list[str]:
         """Start every worker (in parallel) and supervise them; returns their addresses, head first.
@@ -51,6 +72,7 @@ class WorkerSupervisor:
         Raises:
             OSError: a worker did not become ready (its stderr is in the server's log).
         """
+        self.token_file = self._write_token_file()
         ports = await asyncio.gather(*(self._spawn(i, 0) for i in range(len(self.layer_ranges))))
         self.addresses = [f"{self.flags.host}:{p}" for p in ports]
         self._watchers = [asyncio.get_running_loop().create_task(self._watch(i)) for i in range(len(ports))]
@@ -65,6 +87,7 @@ class WorkerSupervisor:
             "--max-sessions", str(f.max_sessions),
             "--max-sink", str(f.max_sink), "--max-window", str(f.max_window),
             "--parent-pid", str(os.getpid()),  # a server killed outright does not leave its workers behind
+            "--auth-token-file", str(self.token_file),
             stdout=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL,
         )
         self.procs[i] = proc
@@ -111,3 +134,5 @@ class WorkerSupervisor:
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()
                 await proc.wait()
+        if self.token_file is not None:
+            self.token_file.unlink(missing_ok=True)
