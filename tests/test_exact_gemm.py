@@ -6,11 +6,7 @@ as the launcher does, for the forwarded cases and what MLX actually passes.
 """
 
 import ctypes
-import json
 import os
-import subprocess
-import sys
-import textwrap
 import threading
 
 import numpy as np
@@ -18,6 +14,7 @@ import pytest
 
 from inference_engine.blas import find_openblas, kernel_library
 from tests.blas_env import linux_openblas
+from tests.mlx_matmul_probe import probe
 
 pytestmark = linux_openblas
 
@@ -189,48 +186,10 @@ def test_the_check_detects_a_batch_variant_blas():
     assert variant_blocks(Gemm(find_openblas()), x, w, range(1, 65)) != []
 
 
-# Runs with LD_PRELOAD=<exact_gemm>:<openblas>; prints what it found as JSON.
-MLX_PROBE = textwrap.dedent("""
-    import json
-    import mlx.core as mx
-    import numpy as np
-    from inference_engine.blas import active_blas
-
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((80, 96)).astype(np.float32)
-    w = rng.standard_normal((72, 96)).astype(np.float32)  # (out, in) like a Linear weight
-    bias = rng.standard_normal(72).astype(np.float32)
-    ref = x.astype(np.float64) @ w.T.astype(np.float64)
-    single = [np.array(mx.array(x[i:i + 1]) @ mx.array(w).T)[0] for i in range(80)]
-    out = {"blas": active_blas(), "invariant_rows": [], "close": [], "close_notrans": [], "close_addmm": []}
-    for m in range(1, 81):
-        block = np.array(mx.array(x[:m]) @ mx.array(w).T)
-        out["invariant_rows"].append(all(np.array_equal(block[i], single[i]) for i in range(m)))
-        out["close"].append(bool(np.allclose(block, ref[:m], rtol=1e-4, atol=1e-4)))
-        notrans = np.array(mx.array(x[:m]) @ mx.array(np.ascontiguousarray(w.T)))  # B stored (in, out)
-        out["close_notrans"].append(bool(np.allclose(notrans, ref[:m], rtol=1e-4, atol=1e-4)))
-        addmm = np.array(mx.addmm(mx.array(bias), mx.array(x[:m]), mx.array(w).T))  # beta = 1: C starts as the bias
-        out["close_addmm"].append(bool(np.allclose(addmm, ref[:m] + bias, rtol=1e-4, atol=1e-4)))
-    # Attention as forward runs it: (l, n_kv, rep, D) @ (n_kv, D, S), then weights @ (n_kv, S, D).
-    q = rng.standard_normal((5, 3, 3, 64)).astype(np.float32)
-    keys = rng.standard_normal((3, 49, 64)).astype(np.float32)
-    scores = np.array(mx.array(q) @ mx.array(keys).transpose(0, 2, 1)[None])
-    mixed = np.array(mx.array(scores) @ mx.array(keys)[None])
-    s64 = q.astype(np.float64) @ keys.transpose(0, 2, 1).astype(np.float64)[None]
-    out["close_attention"] = bool(np.allclose(scores, s64, rtol=1e-4, atol=1e-4)) and bool(
-        np.allclose(mixed, s64 @ keys.astype(np.float64)[None], rtol=1e-3, atol=1e-3))
-    xt = np.array(mx.array(np.ascontiguousarray(x[:8].T)).T @ mx.array(w).T)  # A transposed: forwarded or copied
-    out["close_trans_a"] = bool(np.allclose(xt, ref[:8], rtol=1e-4, atol=1e-4))
-    print(json.dumps(out))
-""")
 
 
 def test_preloaded_in_front_of_openblas_under_mlx():
-    lib = kernel_library("exact_gemm")
-    env = dict(os.environ, LD_PRELOAD=f"{lib}:{find_openblas()}")
-    run = subprocess.run([sys.executable, "-c", MLX_PROBE], env=env, capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stderr
-    out = json.loads(run.stdout.strip().splitlines()[-1])
+    out = probe(f"{kernel_library('exact_gemm')}:{find_openblas()}", rows=80, outs=72)
     assert out["blas"].startswith("openblas: ") and out["blas"].endswith("+ exact-gemm kernel 1 (max rows 64, 8-lane mul+add)")
     assert out["invariant_rows"][:64] == [True] * 64  # every block of <= 64 rows: a row's bits never depend on it
     assert all(out["close"]) and all(out["close_notrans"]) and all(out["close_addmm"])  # including > 64 (OpenBLAS)
