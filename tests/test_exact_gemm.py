@@ -231,7 +231,7 @@ def test_preloaded_in_front_of_openblas_under_mlx():
     run = subprocess.run([sys.executable, "-c", MLX_PROBE], env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     out = json.loads(run.stdout.strip().splitlines()[-1])
-    assert out["blas"].startswith("openblas: ") and out["blas"].endswith("+ exact-gemm kernel 1 (max rows 64, 8-lane mul+add)")
+    assert out["blas"].startswith("openblas: ") and out["blas"].endswith("+ exact-gemm kernel 2 (max rows 64, 8-lane mul+add; Q4_1/Q8_0 weights)")
     assert out["invariant_rows"][:64] == [True] * 64  # every block of <= 64 rows: a row's bits never depend on it
     assert all(out["close"]) and all(out["close_notrans"]) and all(out["close_addmm"])  # including > 64 (OpenBLAS)
     assert out["close_attention"] and out["close_trans_a"]
