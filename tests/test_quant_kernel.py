@@ -204,3 +204,54 @@ def test_served_model_weights_choices(tiny_pair):
     served = load_served_model(str(folder), "q4_1", folder)  # a folder model: fp32, and why
     assert served.weights == "fp32" and served.note == why and not has_blocks(served.loaded.model)
     assert load_served_model(str(folder), "fp32", folder).note == ""
+
+
+@pytest.fixture
+def served_tiny(tiny_pair, kernel, monkeypatch):
+    """build_engine's model loading replaced by the tiny pair: q4_1 from blocks, fp32 from the folder."""
+    from inference_engine.server import server
+    from inference_engine.served_model import ServedModel
+
+    _, _, fp32, blocks = tiny_pair
+    calls = []
+
+    def load(model, weights, cache_dir):
+        calls.append(weights)
+        return ServedModel(blocks, "q4_1", "") if weights == "q4_1" else ServedModel(fp32, "fp32", "")
+
+    monkeypatch.setattr(server, "load_served_model", load)
+    return server, calls, blocks
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_build_engine_serves_q4_1_and_shares_the_packaged_draft(served_tiny, caplog, exact):
+    from tests.conftest import make_config
+
+    server, calls, blocks = served_tiny
+    with caplog.at_level("INFO", logger="inference_engine"):
+        engine = server.build_engine(make_config(weights="q4_1", exact=exact, max_tile=4))
+    try:
+        assert calls == ["q4_1"] and engine.loaded is blocks and server.engine_weights(engine) == "q4_1"
+        assert engine.draft is blocks  # the packaged draft: the target's own blocks
+        assert "weights: q4_1" in caplog.text
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_build_engine_falls_back_to_fp32_when_the_kernel_differs(served_tiny, caplog, kernel, exact):
+    from tests.conftest import make_config
+
+    server, calls, blocks = served_tiny
+    down = blocks.model.model.layers[0].mlp.down_proj  # the probe checks one linear per shape: this one
+    down.qmatmul = lambda x, q, fmt: kernel.qmatmul(x, q, fmt) * 1.0000001  # not the fp32 kernel's bits
+    try:
+        with caplog.at_level("INFO", logger="inference_engine"):
+            engine = server.build_engine(make_config(weights="q4_1", exact=exact, max_tile=4, draft_model=None))
+    finally:
+        down.qmatmul = kernel.qmatmul
+    try:
+        assert calls == ["q4_1", "fp32"] and server.engine_weights(engine) == "fp32"
+        assert "the q4_1 kernel differs from the fp32 kernel (128->64: M=" in caplog.text
+    finally:
+        engine.close()

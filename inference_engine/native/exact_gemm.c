@@ -268,32 +268,46 @@ static inline v8i widen_s8_portable(const uint8_t *p) {
     return v;
 }
 
+static inline void halves_portable(const uint8_t *p, v8 *a, v8 *b) {
+    *a = splat8(half_to_float(p));
+    *b = splat8(half_to_float(p + 2));
+}
+
 #define QV(name) name##_portable
 #define QTARGET
 #define WIDEN_U8 widen_u8_portable
 #define WIDEN_S8 widen_s8_portable
-#define SPLAT splat8
+#define HALVES halves_portable
 #include "exact_qtiles.h"
 #undef QV
 #undef QTARGET
 #undef WIDEN_U8
 #undef WIDEN_S8
-#undef SPLAT
+#undef HALVES
 
 #if defined(__x86_64__) && !defined(__AVX2__)
 #include <immintrin.h>
+#define QTARGET __attribute__((target("avx2,f16c")))
+
+QTARGET static inline void halves_f16c(const uint8_t *p, v8 *a, v8 *b) {
+    int32_t pair;
+    memcpy(&pair, p, sizeof pair);
+    __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(pair)); /* exact: every fp16 is a float */
+    *a = (v8)_mm256_broadcastss_ps(f);
+    *b = (v8)_mm256_broadcastss_ps(_mm_movehdup_ps(f));
+}
+
 #define WIDEN_U8(p) ((v8i)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
 #define WIDEN_S8(p) ((v8i)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
-#define SPLAT(s) ((v8)_mm256_set1_ps(s))
+#define HALVES halves_f16c
 #define QV(name) name##_avx2
-#define QTARGET __attribute__((target("avx2")))
 #include "exact_qtiles.h"
 
 static void (*run_q)(const struct job *, int, int) = run_q_portable; /* run_q_avx2 where the CPU has it */
 
 __attribute__((constructor)) static void choose_run_q(void) {
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2"))
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c"))
         run_q = run_q_avx2;
 }
 #else

@@ -2,21 +2,23 @@
  * exact_qtiles.h: the quantized-weight column loop, instantiated once per instruction set.
  *
  * Included by exact_gemm.c with QV(name) (the variant's suffix), QTARGET (its target
- * attribute), WIDEN_U8/WIDEN_S8 (8 bytes -> 8 int32 lanes) and SPLAT (a float in every lane)
- * defined. Only these moves differ between variants (GCC's vector extensions scalarize them,
- * so AVX2 gets vpmovzxbd/vpmovsxbd/vbroadcastss); they are exact either way, and every
- * floating-point operation is the shared code of ggml_blocks.h and exact_dot.h.
+ * attribute), WIDEN_U8/WIDEN_S8 (8 bytes -> 8 int32 lanes) and HALVES(p, &a, &b) (the fp16 at
+ * p and p + 2 as floats in every lane of a and b) defined. Only these moves differ between
+ * variants (GCC's vector extensions scalarize them; AVX2 gets vpmovzxbd/vpmovsxbd and F16C's
+ * vcvtph2ps); they are exact either way (every fp16 is a float), and every floating-point
+ * operation is the shared code of ggml_blocks.h and exact_dot.h.
  */
 
 /* One GGUF block's 32 weights as 4 vectors, dequantized as the converter did. */
 QTARGET INLINE void QV(block)(int fmt, const uint8_t *blk, v8 w[4]) {
+    v8 d, m;
+    HALVES(blk, &d, &m); /* Q8_0: m is the first two int8s, unused */
     if (fmt == GGML_Q4_1) {
-        v8 d = SPLAT(half_to_float(blk)), m = SPLAT(half_to_float(blk + 2));
         q4_1_weights(d, m, WIDEN_U8(blk + Q4_1_NIBBLES), WIDEN_U8(blk + Q4_1_NIBBLES + 8), w);
     } else {
         const uint8_t *q = blk + Q8_0_INTS;
         v8i ints[4] = {WIDEN_S8(q), WIDEN_S8(q + 8), WIDEN_S8(q + 16), WIDEN_S8(q + 24)};
-        q8_0_weights(SPLAT(half_to_float(blk)), ints, w);
+        q8_0_weights(d, ints, w);
     }
 }
 
