@@ -1,4 +1,5 @@
-"""Command line: `python -m inference_engine serve [flags]` (and `prepare-model`, `shard-worker`)."""
+"""Command line: `python -m inference_engine serve [flags]` (and `prepare-model`, `shard-worker`),
+plus the client commands `chat` and `generate`, which need only grpc and protobuf."""
 
 from __future__ import annotations
 
@@ -10,16 +11,19 @@ import sys
 from inference_engine.blas import reexec_with_openblas
 from inference_engine.process_exit import exit_now
 
+CLIENT_COMMANDS = ("chat", "generate")
 
-def main(argv: list[str] | None = None) -> int:
-    """Parse the command line and run the chosen command; returns the exit status."""
-    argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="python -m inference_engine")
-    sub = parser.add_subparsers(dest="command", required=True)
-    from inference_engine.config import add_server_flags, config_from_args, default_cache_dir
-    from inference_engine.log_setup import add_logging_flags, configure_logging
-    from inference_engine.shard.worker.config import add_worker_flags
 
+def _server_parsers(sub: argparse._SubParsersAction) -> bool:
+    """Register serve, shard-worker and prepare-model; False when the server's packages are missing."""
+    try:
+        from inference_engine.config import add_server_flags
+        from inference_engine.log_setup import add_logging_flags
+        from inference_engine.shard.worker.config import add_worker_flags
+    except ImportError as exc:  # a client-only install: say what is missing when a server command is asked for
+        for name in ("serve", "shard-worker", "prepare-model"):
+            sub.add_parser(name, help=f"(needs the server install: {exc.name} is missing)")
+        return False
     commands = {
         "serve": sub.add_parser("serve", help="serve RuntimeService over gRPC"),
         "shard-worker": sub.add_parser("shard-worker", help="serve one layer range over ShardRuntime (gRPC)"),
@@ -29,13 +33,37 @@ def main(argv: list[str] | None = None) -> int:
     add_worker_flags(commands["shard-worker"])
     for command in commands.values():
         add_logging_flags(command)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the command line and run the chosen command; returns the exit status."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in CLIENT_COMMANDS:  # the client: no MLX, no BLAS re-exec
+        from inference_engine.client.cli import main as client_main
+
+        return client_main(argv)
+    parser = argparse.ArgumentParser(prog="python -m inference_engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    try:
+        has_server = _server_parsers(sub)
+    except ValueError as exc:  # a malformed INFERENCE_ENGINE_ADDRESS
+        parser.error(str(exc))
+    from inference_engine.client.cli import add_client_commands
+
+    add_client_commands(sub)
     args = parser.parse_args(argv)
+    if not has_server:
+        parser.error(f"`{args.command}` needs the server install: pip install 'inference_engine[server]'")
     try:
         reexec_with_openblas(["-m", "inference_engine", *argv])
     except ValueError as exc:  # an unknown INFERENCE_ENGINE_KERNEL
         parser.error(str(exc))
+    from inference_engine.log_setup import configure_logging
+
     configure_logging(args.log_level, args.log_format)
     if args.command == "prepare-model":
+        from inference_engine.config import default_cache_dir
         from inference_engine.model.packaged import ensure_packaged_model
 
         for quantized in (False, True):
@@ -45,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         from inference_engine.shard.worker.process import run_worker
 
         exit_now(run_worker(args, parser))  # like serve: skip C++ static destructors (MLX#3126)
+    from inference_engine.config import config_from_args
     from inference_engine.server.server import serve
 
     try:
@@ -58,6 +87,11 @@ def main(argv: list[str] | None = None) -> int:
         exit_now(2)
     exit_now(0)
     return 0  # pragma: no cover - exit_now does not return
+
+
+def cli() -> int:
+    """Console-script entry point (`inference-engine ...`)."""
+    return main()
 
 
 if __name__ == "__main__":

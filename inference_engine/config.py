@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from inference_engine.address import default_address
 from inference_engine.model.packaged import DEFAULT_MODEL, DRAFT_MODEL
 from inference_engine.security.flags import (
     add_client_security_flags,
@@ -37,6 +38,7 @@ class ServerConfig:
     draft_model: str | None = DRAFT_MODEL  # draft model for SPECULATIVE_DRAFT; None = no draft model
     cache_dir: Path = field(default_factory=default_cache_dir)  # converted-model cache
     max_sessions: int = 8  # KV slabs in the pool
+    max_kv_bytes: int = 0  # K/V bytes all sessions may hold, draft caches included (0 = bounded by max_sessions only)
     default_sink: int = 4  # sink tokens when a session asks for 0
     default_window: int = 1024  # window tokens when a session asks for 0
     max_sink: int = 64  # largest sink a session may ask for
@@ -44,12 +46,13 @@ class ServerConfig:
     max_rollback: int = 8  # most trailing tokens commit_or_truncate may drop (largest draft block)
     max_tokens_per_request: int = 8192  # tokens in one AppendTokens
     max_new_tokens: int = 4096  # upper bound of GenerateRequest.max_new_tokens
+    default_new_tokens: int = 512  # max_new_tokens of a request that says 0
     session_ttl_s: float = 900.0  # idle sessions expire after this
     exact: bool = True  # run on the probed bit-exact tile; False = plain large blocks
     max_tile: int = DEFAULT_MAX_TILE  # largest block size the probe tries
     plain_block: int = 64  # block size when exact is off
     max_batch_rows: int = 0  # most rows in one batched forward across sessions (0 = the probed block)
-    append_rows: int = 0  # most AppendTokens rows per forward while a Generate streams (0 = a quarter of a batch)
+    append_rows: int = 0  # AppendTokens rows per forward while a Generate streams (0 = learnt: streams' gaps <= 2x)
     grace_s: float = 10.0  # drain time for in-flight RPCs at shutdown
     shards: tuple[str, ...] = ()  # host:port of running shard workers, head first (() = layers run here)
     spawn_shards: tuple[str, ...] = ()  # layer ranges START:END of workers this server spawns and restarts
@@ -58,13 +61,20 @@ class ServerConfig:
     shard_security: ClientSecurity = field(default_factory=ClientSecurity)  # what this server presents to --shards workers
     metrics_host: str = "127.0.0.1"  # address of the Prometheus endpoint
     metrics_port: int = 0  # Prometheus endpoint port; 0 = no endpoint
+    # -- session snapshots and persistence (README: "Session snapshots")
+    snapshot_dir: Path | None = None  # where SnapshotSession(to_dir) writes and RestoreSession(file) reads
+    max_snapshot_bytes: int = 1 << 30  # largest snapshot RestoreSession accepts
+    persist_dir: Path | None = None  # --persist-sessions: live sessions survive restarts here
+    persist_every: int = 1  # write a session after every N-th completed AppendTokens/Generate
+    persist_interval_s: float = 30.0  # and every S seconds if it has calls not yet written (0 = never)
 
 
 def add_server_flags(parser: argparse.ArgumentParser) -> None:
     """Register the flags that build a ServerConfig."""
     d = ServerConfig()
-    parser.add_argument("--host", default=d.host)
-    parser.add_argument("--port", type=int, default=d.port, help="0 = pick a free port")
+    host, port = default_address()
+    parser.add_argument("--host", default=host, help="default from $INFERENCE_ENGINE_ADDRESS, else %(default)s")
+    parser.add_argument("--port", type=int, default=port, help="0 = pick a free port (default %(default)s)")
     parser.add_argument("--model", default=d.model, help="packaged model name or an mlx-lm folder")
     add_weights_flag(parser, d.weights)
     parser.add_argument(
@@ -73,6 +83,8 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
         f"default: {DRAFT_MODEL} when serving the packaged model, else none",
     )
     parser.add_argument("--max-sessions", type=int, default=d.max_sessions)
+    parser.add_argument("--max-kv-bytes", type=int, default=d.max_kv_bytes,
+                        help="K/V bytes all sessions may hold, draft caches included (0 = no bound beyond --max-sessions)")
     parser.add_argument("--default-sink", type=int, default=d.default_sink)
     parser.add_argument("--default-window", type=int, default=d.default_window)
     parser.add_argument("--max-sink", type=int, default=d.max_sink)
@@ -80,13 +92,16 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-rollback", type=int, default=d.max_rollback)
     parser.add_argument("--max-tokens-per-request", type=int, default=d.max_tokens_per_request)
     parser.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    parser.add_argument("--default-new-tokens", type=int, default=d.default_new_tokens,
+                        help="max_new_tokens of a Generate that says 0")
     parser.add_argument("--session-ttl", type=float, default=d.session_ttl_s, help="idle seconds before expiry")
     parser.add_argument("--no-exact", action="store_true", help="plain large blocks (not chunking-invariant)")
     parser.add_argument("--max-tile", type=int, default=d.max_tile)
     parser.add_argument("--max-batch-rows", type=int, default=d.max_batch_rows,
                         help="most rows of all sessions in one forward (0 = the probed block)")
     parser.add_argument("--append-rows", type=int, default=d.append_rows,
-                        help="most AppendTokens rows per forward while a Generate streams (0 = a quarter of a batch)")
+                        help="AppendTokens rows per forward while a Generate streams (0 = as many as keep the "
+                             "streams' inter-token gap within 2x, learnt from the engine's own timings)")
     parser.add_argument("--grace", type=float, default=d.grace_s, help="seconds to drain RPCs on SIGTERM")
     shards = parser.add_mutually_exclusive_group()
     shards.add_argument("--shards", default="", metavar="HOST:PORT,...",
@@ -100,6 +115,18 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-port", type=int, default=d.metrics_port,
                         help="serve Prometheus metrics at http://METRICS_HOST:PORT/metrics (0 = off)")
     parser.add_argument("--metrics-host", default=d.metrics_host, help="address of the metrics endpoint")
+    # -- session snapshots and persistence
+    parser.add_argument("--snapshot-dir", type=Path, default=None,
+                        help="folder for SnapshotSession(to_dir) files and RestoreSession(file)")
+    parser.add_argument("--max-snapshot-bytes", type=int, default=d.max_snapshot_bytes,
+                        help="largest snapshot RestoreSession accepts")
+    parser.add_argument("--persist-sessions", type=Path, default=None, metavar="DIR",
+                        help="write live sessions here (after calls, periodically, at shutdown) and restore them "
+                        "with their ids at start-up")
+    parser.add_argument("--persist-every", type=int, default=d.persist_every,
+                        help="write a session after every N-th completed AppendTokens/Generate")
+    parser.add_argument("--persist-interval", type=float, default=d.persist_interval_s,
+                        help="seconds between writes of sessions with unwritten calls (0 = only after calls)")
 
 
 def add_weights_flag(parser: argparse.ArgumentParser, default: str) -> None:
@@ -131,21 +158,26 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     cfg = ServerConfig(
         host=args.host, port=args.port, model=args.model, weights=args.weights, cache_dir=default_cache_dir(),
         draft_model=_draft_choice(args.draft_model, args.model),
-        max_sessions=args.max_sessions, default_sink=args.default_sink, default_window=args.default_window,
+        max_sessions=args.max_sessions, max_kv_bytes=args.max_kv_bytes, default_sink=args.default_sink, default_window=args.default_window,
         max_sink=args.max_sink, max_window=args.max_window, max_rollback=args.max_rollback,
         max_tokens_per_request=args.max_tokens_per_request, max_new_tokens=args.max_new_tokens,
+        default_new_tokens=args.default_new_tokens,
         session_ttl_s=args.session_ttl, exact=not args.no_exact, max_tile=args.max_tile, grace_s=args.grace,
         max_batch_rows=args.max_batch_rows, append_rows=args.append_rows,
         shards=_split(args.shards), spawn_shards=_split(args.spawn_shards),
         shard_recovery_timeout_s=args.shard_recovery_timeout,
         security=server_security_from_args(args), shard_security=client_security_from_args(args, "shard-"),
         metrics_host=args.metrics_host, metrics_port=args.metrics_port,
+        snapshot_dir=args.snapshot_dir, max_snapshot_bytes=args.max_snapshot_bytes, persist_dir=args.persist_sessions,
+        persist_every=args.persist_every, persist_interval_s=args.persist_interval,
     )
     checks = {
         "--max-sessions": cfg.max_sessions >= 1,
+        "--max-kv-bytes": cfg.max_kv_bytes >= 0,
         "--default-sink": 0 <= cfg.default_sink <= cfg.max_sink,
         "--default-window": 1 <= cfg.default_window <= cfg.max_window,
         "--max-rollback": cfg.max_rollback >= 1,
+        "--default-new-tokens": 1 <= cfg.default_new_tokens <= cfg.max_new_tokens,
         "--port": 0 <= cfg.port <= 65535,
         "--max-tile": cfg.max_tile >= 1,
         "--max-batch-rows": cfg.max_batch_rows >= 0,
@@ -155,6 +187,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         "--spawn-shards": all(r.count(":") == 1 and r.replace(":", "").isdigit() for r in cfg.spawn_shards),
         "--shard-recovery-timeout": cfg.shard_recovery_timeout_s > 0,
         "--metrics-port": 0 <= cfg.metrics_port <= 65535,
+        "--max-snapshot-bytes": cfg.max_snapshot_bytes >= 1,
+        "--persist-every": cfg.persist_every >= 1,
+        "--persist-interval": cfg.persist_interval_s >= 0,
     }
     bad = [flag for flag, ok in checks.items() if not ok]
     if bad:

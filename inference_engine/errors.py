@@ -24,6 +24,10 @@ class MalformedRequest(InvalidRequest):
     """The request bytes do not decode as the method's message (INVALID_ARGUMENT)."""
 
 
+class SnapshotCorrupt(InvalidRequest):
+    """A session snapshot is truncated, corrupted (checksum) or not a snapshot at all (INVALID_ARGUMENT)."""
+
+
 class Unauthenticated(RuntimeServiceError):
     """No bearer token, or one the server does not know (UNAUTHENTICATED)."""
 
@@ -40,9 +44,18 @@ class InvariantViolation(RuntimeServiceError):
     """An operation would break INV-1/INV-2 or the session's state (FAILED_PRECONDITION)."""
 
 
+class SnapshotIncompatible(InvariantViolation):
+    """A sound snapshot this server cannot restore exactly: another format version, model, tokenizer,
+    kernels, block size, mode, or a sink/window over its limits (FAILED_PRECONDITION)."""
+
+
 class SessionBusy(RuntimeServiceError):
     """Another AppendTokens/Generate is running on the session (ABORTED: retry later)."""
 
 
 class EngineUnavailable(RuntimeServiceError):
     """The compute engine is gone or shutting down (UNAVAILABLE)."""
+
+
+class FeatureUnavailable(RuntimeServiceError):
+    """The served model cannot do what was asked (no tokenizer, no chat template) (FAILED_PRECONDITION)."""

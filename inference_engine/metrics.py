@@ -1,8 +1,8 @@
 """Every Prometheus metric of the server, on one registry (served by `serve --metrics-port`).
 
 The objects are module globals so any layer can observe them without plumbing: the
-servicer and the RPC interceptor record today; the scheduler will observe `BATCH_ROWS`
-and `QUEUE_WAIT_SECONDS`. RPC metrics follow go-grpc-prometheus's names.
+servicer and the RPC interceptor record; the engine's scheduler observes `BATCH_ROWS` (rows
+per forward) and `QUEUE_WAIT_SECONDS` (a call's wait for its first block). RPC metrics follow go-grpc-prometheus's names.
 """
 
 from __future__ import annotations

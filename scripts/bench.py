@@ -23,6 +23,8 @@ a median over several repetitions with min and max:
   wrapped the sink-window; the cached key set has a fixed size, so these should match.
 - server RSS MiB: VmRSS of the server process idle, with 1 and with 8 open sessions
   (`server_rss`), and of the fp32 server (`server_rss_fp32`).
+- session snapshots (benchkit/snapshots.py): snapshot and restore time and bytes at the plan's
+  window against replaying the history; restart-to-serving with 8 persisted sessions.
 - the limit: streaming-read bandwidth (numpy sum over a buffer far larger than the
   caches, best of several, 1 and all threads) divided by the weight bytes one decoded
   token must read (every parameter once; the tied embedding is read whole by the LM
@@ -34,6 +36,7 @@ a median over several repetitions with min and max:
 
 Usage: scripts/bench.py [--quick] [--out FILE]. The full run writes
 results/bench/<YYYY-MM-DD>-<host>.json; --quick is a seconds-long subset for CI.
+--snapshots-only measures the snapshot section alone (results/snapshots/<date>-<host>.json).
 """
 
 from __future__ import annotations
@@ -71,6 +74,7 @@ from benchkit.engines import (  # noqa: E402
     start_server,
 )
 from benchkit.report import build_report, fmt, print_table, q4_1_targets  # noqa: E402
+from benchkit.snapshots import measure_snapshots, print_snapshots, snapshots_report  # noqa: E402
 
 from inference_engine.blas import reexec_with_openblas  # noqa: E402
 
@@ -85,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--llama-cpp-build-s", type=float, help="record how long building llama-cpp-python took")
     parser.add_argument("--pipeline", action="store_true",
                         help="also measure decode over a 3-worker shard route vs one process, and per-hop latency")
+    parser.add_argument("--snapshots-only", action="store_true",
+                        help="only the session-snapshot section (results/snapshots/<date>-<host>.json)")
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else FULL
 
@@ -98,6 +104,15 @@ def main(argv: list[str] | None = None) -> int:
     def phase(name: str) -> None:
         print(f"[bench {time.perf_counter() - t0:6.1f}s] {name}", file=sys.stderr, flush=True)
 
+    if args.snapshots_only:
+        phase("session snapshots only")
+        report = snapshots_report(plan, args.quick, measure_snapshots(plan, prompts), t0, load_at_start)
+        out = args.out or ROOT / "results" / "snapshots" / f"{report['meta']['date']}-{report['meta']['host']}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2) + "\n")
+        print_snapshots(report["snapshots"])
+        print(f"\nwrote {out}")
+        return 0
     phase("memory bandwidth")
     bandwidth = memory_bandwidth(plan.bandwidth_bytes, reps=2 if args.quick else 5)
     with ExitStack() as stack:
@@ -125,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     report["server_rss_fp32"] = rss_fp32
     report["concurrency"] = concurrency
     report["q4_1"] = q4_1_targets(report)
+    phase("session snapshots: snapshot, restore, fork vs replay; restart with 8 persisted sessions")
+    report["snapshots"] = measure_snapshots(plan, prompts)
     if args.pipeline:
         phase("shard pipeline: 3 workers vs single process")
         report["pipeline"] = measure_pipeline(plan, prompts)
@@ -143,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     q = report["q4_1"]
     print("q4_1: " + ", ".join(f"{k} {v:.2f}x (target {q['targets'][k]})" for k, v in q["ratios"].items())
           + f"; same tokens as fp32: {q['same_tokens_as_fp32']}")
+    print_snapshots(report["snapshots"])
     if "pipeline" in report:
         p = report["pipeline"]
         print(f"pipeline {'/'.join(p['ranges'])}: decode {fmt(p['pipeline']['decode_tok_s'])} tok/s vs single "

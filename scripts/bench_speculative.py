@@ -22,24 +22,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ (benchkit)
+from benchkit.core import COPY_BACK as CODE  # noqa: E402
 from inference_engine.blas import reexec_with_openblas  # noqa: E402
 
-CODE = '''def fibonacci(n):
-    """Return the first n Fibonacci numbers."""
-    out = [0, 1]
-    while len(out) < n:
-        out.append(out[-1] + out[-2])
-    return out[:n]
-
-
-def is_prime(k):
-    if k < 2:
-        return False
-    for d in range(2, int(k ** 0.5) + 1):
-        if k % d == 0:
-            return False
-    return True
-'''
 WORKLOADS = {
     "repetitive": "Copy the following Python code exactly, without any change or comment:\n\n" + CODE,
     "free_text": "Tell me a short story about a lighthouse keeper who finds a message in a bottle.",

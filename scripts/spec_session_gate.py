@@ -1,14 +1,15 @@
 #!/usr/bin/env python3
 """Speculative-session exactness gates (the seeds' memra battery) on the real model.
 
-The gates (inference_engine/client/spec_gates.py), for each drafter (draft model, prompt
+For each sampling setting (greedy; seeded sampling), each drafter (draft model, prompt
 lookup) and K in {1, 4, 8}, over a real grpc.aio server with a window small enough to wrap
-during generation:
+during generation ("plain" below is non-speculative decoding with the same sampling
+parameters: greedy, or the same seeded draws):
 - gate1: for burst widths w in {1, K-1, K, K+1, 32}, the stream reassembled from
   Generate calls of max_new_tokens=w equals one-shot speculative generation;
-- gate2: every such stream equals plain greedy, and the state digest (next-token logits,
-  cached K/V, tokens, position) after every burst equals greedy's at that position;
-- gate3: 16 speculative tokens, then demote to GREEDY: the whole stream equals greedy;
+- gate2: every such stream equals plain decoding, and the state digest (next-token logits,
+  cached K/V, tokens, position) after every burst equals plain decoding's at that position;
+- gate3: 16 speculative tokens, then demote to plain decoding: the whole stream equals plain;
 - invariants after every arm: cache rows == committed tokens (position == history
   length, cached tokens == min(history, sink + window)); the emitted stream is a prefix
   of the committed history.
@@ -25,18 +26,19 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from inference_engine.blas import reexec_with_openblas  # noqa: E402
-from inference_engine.client.spec_gates import MODES, PROMPT_TEXT, run_gates  # noqa: E402
+from inference_engine.client.spec_gates import MODES, PROMPT_TEXT, SAMPLINGS, run_gates  # noqa: E402
 
 
 async def _main(args: argparse.Namespace) -> int:
     import grpc
 
-    from inference_engine.config import ServerConfig, default_cache_dir
+    from inference_engine.config import default_cache_dir
     from inference_engine.model.loader import load_model
     from inference_engine.model.packaged import ensure_packaged_model
     from inference_engine.runtime.engine import Engine
     from inference_engine.runtime.runtime import Runtime
     from inference_engine.server.server import start_server
+    from inference_engine.config import ServerConfig
     from inference_engine.v1 import runtime_pb2 as pb
     from inference_engine.v1 import runtime_pb2_grpc as pb_grpc
 
@@ -49,9 +51,11 @@ async def _main(args: argparse.Namespace) -> int:
     tok = target.tokenizer
     text = tok.apply_chat_template([{"role": "user", "content": PROMPT_TEXT}], add_generation_prompt=True, tokenize=False)
     prompt = tok.encode(text, add_special_tokens=False)
-    print(f"prompt {len(prompt)} tokens, {args.tokens} generated, sink {args.sink} + window {args.window}, tile {engine.block}")
+    print(f"prompt {len(prompt)} tokens, {args.tokens} generated, sink {args.sink} + window {args.window}, "
+          f"tile {engine.block}, sampling {', '.join(f'{s} {SAMPLINGS[s]}' for s in args.sampling)}")
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        report = await run_gates(pb_grpc.RuntimeServiceStub(channel), pb, lambda sid: runtime.store.get(sid).history, prompt, args.drafters, args.k, args.tokens, args.sink, args.window)
+        report = await run_gates(pb_grpc.RuntimeServiceStub(channel), pb, lambda sid: runtime.store.get(sid).history, prompt, args.drafters, args.k,
+                                 args.tokens, args.sink, args.window, args.sampling)
     await server.stop(0)
     await runtime.stop()
     total = len(report.lines)
@@ -68,6 +72,8 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=40)
     parser.add_argument("--sink", type=int, default=4)
     parser.add_argument("--window", type=int, default=32)
+    parser.add_argument("--sampling", nargs="+", default=list(SAMPLINGS), choices=list(SAMPLINGS),
+                        help="greedy and/or seeded sampling (%(default)s)")
     args = parser.parse_args()
     reexec_with_openblas([str(Path(__file__).resolve()), *sys.argv[1:]])
     from inference_engine.process_exit import exit_now

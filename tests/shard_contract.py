@@ -87,6 +87,33 @@ class ShardEngineContract:
         with pytest.raises(SessionNotFound):
             chain[0].layer_digests("nope", 0)
 
+    def test_kv_export_import_is_the_single_process_canonical_state(self, chain, tiny):
+        self._open(chain)
+        ref = reference(tiny)
+        run_chain(chain, "s", 1, 0, TOKENS[:20])  # past the window: the ring wrapped
+        ref_block(ref, TOKENS[:20])
+        layers = [kv for e in chain for kv in e.export_kv("s", 20)]
+        want = ref.executor.canonical_kv()
+        assert [k.tobytes() for k, _ in layers] == [k.tobytes() for k in want.keys]
+        assert [v.tobytes() for _, v in layers] == [v.tobytes() for v in want.values]
+        for e, part in zip(chain, ([layers[0]], [layers[1]])):  # a fresh session continues exactly
+            e.open_session("t", GEOMETRY)
+            assert e.import_kv("t", 0, 20, part) == 20
+        assert [d for e in chain for d in e.layer_digests("t", 20)] == ref.executor.layer_digests()
+        got = run_chain(chain, "t", 2, 20, TOKENS[20:27])
+        assert got.tobytes() == ref_block(ref, TOKENS[20:27]).tobytes()
+        with pytest.raises(InvariantViolation, match="position 19"):
+            chain[0].export_kv("s", 19)
+        with pytest.raises(InvariantViolation, match="just opened|at 0"):
+            chain[0].import_kv("t", 27, 30, [layers[0]])
+        chain[0].open_session("u", GEOMETRY)
+        with pytest.raises(InvalidRequest, match="K/V of 2 blocks"):
+            chain[0].import_kv("u", 0, 20, layers)
+        with pytest.raises(InvalidRequest, match="do not fit"):
+            chain[0].import_kv("u", 0, 3, [layers[0]])  # 3 retains 3 positions, 20 retains 7
+        with pytest.raises(InvariantViolation, match="broken"):
+            chain[0].prefill("u", ShardWork(1, 0, (1,), None))
+
     def test_input_errors(self, chain, tiny):
         head, tail = chain
         self._open(chain)

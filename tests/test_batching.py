@@ -59,14 +59,18 @@ async def _play(stub, sc: Scenario) -> list[tuple]:
 async def assert_batch_invariant(engine: Engine, scenarios: list[Scenario], **server_flags) -> int:
     """Solo and concurrent runs agree bitwise; returns the most sessions seen in one forward."""
     seen = []
-    engine.scheduler.on_iteration = lambda rows, sessions, seconds: seen.append(sessions)
+
+    def observe(rows: int, sessions: int, seconds: float) -> None:
+        seen.append(sessions)
+
+    engine.scheduler.observers.append(observe)
     try:
         async with running_server(engine, max_sessions=len(scenarios), **server_flags) as (stub, _):
             solo = [await _play(stub, Scenario(s.sink, s.window, s.prompt, s.steps)) for s in scenarios]
             seen.clear()
             together = await asyncio.gather(*(_play(stub, s) for s in scenarios))
     finally:
-        engine.scheduler.on_iteration = None
+        engine.scheduler.observers.remove(observe)
     for i, (a, b) in enumerate(zip(solo, together)):
         assert a == b, f"scenario {i} changed when batched"
     return max(seen)

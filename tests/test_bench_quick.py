@@ -107,3 +107,14 @@ def test_concurrency_section(report):
     assert c["ttft"]["idle_ms"] > 0 and c["ttft"]["loaded_over_idle"] > 0
     assert c["head_of_line"]["gaps_during_append"] >= 1 and c["head_of_line"]["max_over_idle"] > 0
     assert c["lookup"]["identical"] and c["lookup"]["lookup_over_greedy"] > 0
+
+
+def test_snapshots_section(report):
+    s = report["snapshots"]
+    assert s["identical"] and s["window"] == report["meta"]["plan"]["window"] and s["bytes"] > 0
+    for key in ("snapshot_ms", "snapshot_to_dir_ms", "restore_ms", "restore_file_ms", "fork_ms", "replay_ms"):
+        assert _positive(s[key]), (key, s[key])
+    assert s["restore_over_replay"] > 1  # even at the quick plan's short history
+    r = s["restart"]
+    assert r["files"] == r["restored_sessions"] == r["sessions"] == 8 and r["identical"]
+    assert r["start_with_sessions_s"] > 0 and r["start_empty_s"] > 0 and r["replay_all_s"] > r["restore_all_s"] > 0

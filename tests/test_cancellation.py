@@ -65,7 +65,12 @@ async def test_cancelled_append_stops_and_changes_nothing(tiny_engine):
 
 
 async def test_info_after_a_cancelled_generate_shows_only_sent_tokens(tiny_engine):
+    """The history holds what the server wrote to the stream: what the client read, plus at most the message in
+    flight when it cancelled; GetSessionInfo shows that at once and never changes its mind later."""
     async with running_server(tiny_engine) as (stub, _):
+        ref = await _session(stub)
+        reference = [t async for m in stub.Generate(pb.GenerateRequest(session_id=ref, max_new_tokens=8,
+                                                                         ignore_eos=True)) for t in m.tokens]
         for reads in (1, 2, 5):
             sid = await _session(stub)
             stream = stub.Generate(pb.GenerateRequest(session_id=sid, max_new_tokens=500, ignore_eos=True))
@@ -74,8 +79,13 @@ async def test_info_after_a_cancelled_generate_shows_only_sent_tokens(tiny_engin
                 seen += list((await stream.read()).tokens)
             stream.cancel()
             info = await _info(stub, sid)  # at once: no unsent step may show
-            assert info.history_length == len(PROMPT) + len(seen)
-            assert info.state_digest == await _digest_of(stub, PROMPT + seen)
+            committed = info.history_length - len(PROMPT)
+            assert seen == reference[:reads] and committed in (reads, reads + 1)
+            assert info.state_digest == await _digest_of(stub, PROMPT + reference[:committed])
+            await asyncio.sleep(0.3)
+            later = await _info(stub, sid)
+            assert (later.history_length, later.state_digest) == (info.history_length, info.state_digest)
+            await stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
 
 
 async def test_close_reports_the_final_history_of_a_running_stream(tiny_engine):
@@ -105,3 +115,19 @@ async def test_append_racing_a_close_fails_or_is_reported(tiny_engine):
             except grpc.aio.AioRpcError as exc:
                 assert exc.code() == grpc.StatusCode.NOT_FOUND and "closed" in exc.details()
                 assert closed.history_length == len(PROMPT)  # nothing of it was committed
+
+
+async def test_expected_history_length_makes_retries_safe(tiny_engine):
+    async with running_server(tiny_engine) as (stub, _):
+        sid = await _session(stub)
+        r = await stub.AppendTokens(pb.AppendTokensRequest(session_id=sid, tokens=[1, 2], expected_history_length=10))
+        assert r.history_length == 12
+        before = await _info(stub, sid)
+        with pytest.raises(grpc.aio.AioRpcError) as err:  # the retry of a call that did go through
+            await stub.AppendTokens(pb.AppendTokensRequest(session_id=sid, tokens=[1, 2], expected_history_length=10))
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "expected_history_length is 10 but the session holds 12 tokens" in err.value.details()
+        after = await _info(stub, sid)
+        assert (after.history_length, after.state_digest) == (before.history_length, before.state_digest)
+        r = await stub.AppendTokens(pb.AppendTokensRequest(session_id=sid, tokens=[3], expected_history_length=12))
+        assert r.history_length == 13

@@ -29,8 +29,10 @@ def _details(err: grpc.aio.AioRpcError) -> dict[str, object]:
 
 @pytest.mark.parametrize("call,field,fragment", [
     (lambda s, sid: s.AppendTokens(pb.AppendTokensRequest(session_id=sid, tokens=[1, 256])), "tokens[1]", "vocab size 256"),
-    (lambda s, sid: s.AppendTokens(pb.AppendTokensRequest(session_id=sid, tokens=[])), "tokens", "allowed 1..8192"),
-    (lambda s, sid: generate(s, sid, 0), "max_new_tokens", "max_new_tokens = 0"),
+    (lambda s, sid: s.AppendTokens(pb.AppendTokensRequest(session_id=sid, tokens=[])), "tokens,text,messages",
+     "exactly one of tokens, text, messages"),
+    (lambda s, sid: s.AppendTokens(pb.AppendTokensRequest(session_id=sid, tokens=[1] * 8193)), "tokens", "allowed 1..8192"),
+    (lambda s, sid: generate(s, sid, 5000), "max_new_tokens", "max_new_tokens = 5000"),
     (lambda s, sid: s.CreateSession(pb.CreateSessionRequest(sink_tokens=65)), "sink_tokens", "sink_tokens = 65"),
     (lambda s, sid: s.CreateSession(pb.CreateSessionRequest(client_label="x" * 257)), "client_label", "client_label"),
     (lambda s, sid: s.GetSessionInfo(pb.GetSessionInfoRequest(session_id="")), "session_id", "session_id"),

@@ -107,10 +107,9 @@ async def test_eos_stops_and_joins_history(engine):
     "call,fragment",
     [
         (lambda s, sid: s.AppendTokens(pb.AppendTokensRequest(session_id=sid, tokens=[256])), "vocab size 256"),
-        (lambda s, sid: s.AppendTokens(pb.AppendTokensRequest(session_id=sid, tokens=[])), "allowed 1..8192"),
+        (lambda s, sid: s.AppendTokens(pb.AppendTokensRequest(session_id=sid, tokens=[])), "exactly one of tokens, text, messages; got none"),
         (lambda s, sid: s.AppendTokens(pb.AppendTokensRequest(session_id=sid, tokens=[1] * 8193)), "8193"),
-        (lambda s, sid: _generate(s, sid, 0), "max_new_tokens = 0"),
-        (lambda s, sid: _generate(s, sid, 4097), "allowed 1..4096"),
+        (lambda s, sid: _generate(s, sid, 4097), "allowed 1..4096 (or 0 for the server default)"),
         (lambda s, sid: s.CreateSession(pb.CreateSessionRequest(sink_tokens=65)), "sink_tokens = 65"),
         (lambda s, sid: s.CreateSession(pb.CreateSessionRequest(window_tokens=8193)), "window_tokens"),
         (lambda s, sid: s.CreateSession(pb.CreateSessionRequest(eos_token_ids=[300])), "eos_token_ids[0] = 300"),

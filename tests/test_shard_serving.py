@@ -245,3 +245,25 @@ def _parser():
     parser = argparse.ArgumentParser()
     add_server_flags(parser)
     return parser
+
+
+async def test_route_samples_bitwise_the_single_process(workers, real_model, real_engine):
+    """Seeded sampling (plain and prompt lookup, in bursts) on the 3-worker route equals one process."""
+    _, addresses = workers
+    sampled = dict(temperature=0.8, top_p=0.9, repetition_penalty=1.1, seed=7)
+
+    async def run(stub) -> tuple[list[int], str]:
+        sid = (await stub.CreateSession(pb.CreateSessionRequest(sink_tokens=SINK, window_tokens=WINDOW))).session_id
+        await stub.AppendTokens(pb.AppendTokensRequest(session_id=sid, tokens=PROMPT))
+        out: list[int] = []
+        for n, mode in ((5, pb.DECODE_MODE_GREEDY), (8, pb.DECODE_MODE_SPECULATIVE_LOOKUP), (11, pb.DECODE_MODE_GREEDY)):
+            req = pb.GenerateRequest(session_id=sid, max_new_tokens=n, ignore_eos=True, mode=mode, num_draft_tokens=4,
+                                     **sampled)
+            out += [t async for m in stub.Generate(req) for t in m.tokens]
+        return out, (await stub.GetSessionInfo(pb.GetSessionInfoRequest(session_id=sid))).state_digest
+
+    async with running_server(real_engine) as (stub, _):
+        want = await run(stub)
+    async with route_engine(real_model, addresses, 5.0) as engine, running_server(engine) as (stub, _):
+        got = await run(stub)
+    assert got == want and len(want[0]) == 24 and len(set(want[0])) > 5

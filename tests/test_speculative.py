@@ -79,10 +79,11 @@ def test_draft_vocab_mismatch_refused(tiny):
         check_draft_compatible(tiny, random_model(seed=2, vocab_size=300))
 
 
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
 @pytest.mark.parametrize("drafter", ["lookup", "draft"])
-async def test_session_gates_tiny(engine, drafter):
+async def test_session_gates_tiny(engine, drafter, sampling):
     async with running_server(engine) as (stub, runtime):
-        report = await spec_gate.run_gates(stub, pb, lambda sid: runtime.store.get(sid).history, PROMPT, [drafter], [1, 4, 8], 24, 3, 8)
+        report = await spec_gate.run_gates(stub, pb, lambda sid: runtime.store.get(sid).history, PROMPT, [drafter], [1, 4, 8], 24, 3, 8, [sampling])
     assert report.failures == 0, "\n".join(report.lines)
     assert sum(line.startswith("ok: gate") for line in report.lines) == (3 * 3 + 1) + 2 * (5 * 3 + 1)  # widths per K
 
@@ -123,9 +124,10 @@ async def test_draft_mode_without_draft_model_is_failed_precondition(tiny):
 
 
 @pytest.mark.real_model
-@pytest.mark.parametrize("drafter", ["lookup", "draft"])
-async def test_session_gates_real_model(real_model, real_model_path, drafter):
-    """The gate battery on the packaged model (K=4, window wraps), both drafters."""
+@pytest.mark.parametrize("drafter,sampling", [("lookup", "greedy"), ("lookup", "seeded"), ("draft", "greedy")])
+async def test_session_gates_real_model(real_model, real_model_path, drafter, sampling):
+    """The gate battery on the packaged model (K=4, window wraps), both drafters; seeded sampling with lookup
+    (seeded draft-model speculation on the real model: test_sampling_real_model.py; every combination: the script)."""
     from inference_engine.model.loader import load_model
 
     draft = load_model(real_model_path.parent / "q4")
@@ -134,6 +136,6 @@ async def test_session_gates_real_model(real_model, real_model_path, drafter):
     text = tok.apply_chat_template([{"role": "user", "content": spec_gate.PROMPT_TEXT}], add_generation_prompt=True, tokenize=False)
     prompt = tok.encode(text, add_special_tokens=False)
     async with running_server(engine) as (stub, runtime):
-        report = await spec_gate.run_gates(stub, pb, lambda sid: runtime.store.get(sid).history, prompt, [drafter], [4], 16, 4, 32)
+        report = await spec_gate.run_gates(stub, pb, lambda sid: runtime.store.get(sid).history, prompt, [drafter], [4], 16, 4, 32, [sampling])
     assert report.failures == 0, "\n".join(report.lines)
     engine.close()

@@ -17,7 +17,7 @@ def _flags(model: str) -> WorkerFlags:
 
 async def test_a_worker_that_cannot_start_fails_the_start(tmp_path):
     sup = WorkerSupervisor(("0:1",), _flags(str(tmp_path / "no-such-model")))
-    with pytest.raises(OSError, match=r"shard worker 0:1 did not start \(exit status 2\)"):
+    with pytest.raises(OSError, match=r"shard worker 0:1 did not start \(exit status \d+\)"):
         await sup.start()
     await sup.stop()
 

@@ -1,0 +1,1 @@
+"""The command-line client (`python -m inference_engine chat|generate`): grpc, protobuf and the stubs only."""

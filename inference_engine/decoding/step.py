@@ -1,9 +1,11 @@
 """One decoding step: the target's next token plus verified drafts.
 
 Greedy and speculative decoding are the same step: the block is [g0] + drafts, where g0
-is the target's greedy token (free: it is the argmax of the current logits). The target
-forwards the block once and accepts the longest draft prefix greedy would have produced,
-so the output is token-identical to plain greedy whatever the drafter proposes.
+is the target's own choice at the next position (free: the argmax, or the seeded draw, of
+the current logits). The target forwards the block once and accepts the longest draft
+prefix in which every draft equals the target's own choice at its position (the argmax,
+or the draw keyed by (seed, position): see sampler.py), so the output is token-identical
+to plain decoding with the same sampling parameters whatever the drafter proposes.
 
 A step is planned (`plan_step`), forwarded (alone, or batched with other sessions' blocks
 by the scheduler) and finished (`finish_step`); `decode_step` does all three alone.
@@ -16,6 +18,9 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from inference_engine.decoding.drafter import Drafter
+from inference_engine.decoding.logprobs import TokenLogprobs, token_logprobs
+from inference_engine.decoding.options import PLAIN, StepOptions
+from inference_engine.decoding.sampler import choose, recent_tokens, target_draws
 from inference_engine.session.session import Session
 
 
@@ -26,6 +31,7 @@ class StepPlan:
     block: tuple[int, ...]  # [g0] + drafts
     drafted: int  # drafts in the block
     prior_logits: mx.array | None  # next-token logits before the step (to retract it)
+    position: int  # global position of g0
 
 
 @dataclass(frozen=True)
@@ -36,40 +42,57 @@ class StepResult:
     drafted: int  # draft tokens proposed and verified
     accepted: int  # drafts accepted (tokens - 1 at most)
     prior_logits: mx.array | None  # next-token logits before the step (to retract it)
+    logprobs: tuple[TokenLogprobs, ...] = ()  # per committed token, when the options ask for them
 
 
-def plan_step(session: Session, drafter: Drafter | None, k: int, remaining: int, stop_ids: frozenset[int]) -> StepPlan:
+def plan_step(session: Session, drafter: Drafter | None, k: int, remaining: int, stop_ids: frozenset[int],
+              options: StepOptions = PLAIN) -> StepPlan:
     """Choose the block: the target's token and up to min(k, remaining - 1) drafts. Engine thread.
 
     Args:
+        drafter: proposer of drafts, or None for plain decoding.
+        k: most drafts per step.
         remaining: tokens still allowed in this Generate call (>= 1); never exceeded,
             so nothing verified is ever left over at a burst edge.
         stop_ids: EOS ids; nothing is drafted after one.
+        options: sampling, logprobs and the stop-string cut (default: plain greedy).
     """
     prior = session.coordinator.verifier.next_token_logits
-    g0 = int(mx.argmax(prior).item())
+    history, s = session.history, options.sampling
+    position = len(history)  # == next_global_position (INV-2)
+    g0 = choose(prior, s, position, recent_tokens(history) if s.has_penalty else ())
     drafts: list[int] = []
     if drafter is not None and remaining > 1 and g0 not in stop_ids:
         drafts = drafter.propose(session, g0, min(k, remaining - 1))[: remaining - 1]
-    return StepPlan((g0, *drafts), len(drafts), prior)
+    return StepPlan((g0, *drafts), len(drafts), prior, position)
 
 
-def finish_step(session: Session, plan: StepPlan, logits: mx.array, stop_ids: frozenset[int]) -> StepResult:
-    """Accept the longest draft prefix greedy would have produced; commit it. Engine thread.
+def finish_step(session: Session, plan: StepPlan, logits: mx.array, stop_ids: frozenset[int],
+                options: StepOptions = PLAIN) -> StepResult:
+    """Accept the longest draft prefix the target would have chosen itself; commit it. Engine thread.
 
     Args:
         logits: the forwarded block's (L, V) logits (row i predicts the token after block[i]).
     """
-    block = plan.block
-    greedy = mx.argmax(logits, axis=-1).tolist() if plan.drafted else []
-    n = 1
-    while n < len(block) and block[n] == greedy[n - 1] and block[n - 1] not in stop_ids:
-        n += 1
+    block, n = plan.block, 1
+    if plan.drafted:
+        draws = target_draws(logits, block, options.sampling, plan.position, session.history)
+        for draft, own in zip(block[1:], draws):
+            if block[n - 1] in stop_ids or draft != own:
+                break
+            n += 1
+    if options.keep is not None:
+        n = options.keep(list(block[:n]))
     session.coordinator.accept(list(block), n)
-    return StepResult(block[:n], plan.drafted, n - 1, plan.prior_logits)
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    if options.top_logprobs is not None:
+        rows = [plan.prior_logits, *(logits[i] for i in range(n - 1))]
+        logprobs = tuple(token_logprobs(row, t, options.top_logprobs) for row, t in zip(rows, block[:n]))
+    return StepResult(block[:n], plan.drafted, n - 1, plan.prior_logits, logprobs)
 
 
-def decode_step(session: Session, drafter: Drafter | None, k: int, remaining: int, stop_ids: frozenset[int]) -> StepResult:
+def decode_step(session: Session, drafter: Drafter | None, k: int, remaining: int, stop_ids: frozenset[int],
+                options: StepOptions = PLAIN) -> StepResult:
     """Produce 1..min(k+1, remaining) tokens for one session alone, committing them. Engine thread."""
-    plan = plan_step(session, drafter, k, remaining, stop_ids)
-    return finish_step(session, plan, session.coordinator.verify(list(plan.block)), stop_ids)
+    plan = plan_step(session, drafter, k, remaining, stop_ids, options)
+    return finish_step(session, plan, session.coordinator.verify(list(plan.block)), stop_ids, options)

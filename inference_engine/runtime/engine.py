@@ -55,7 +55,7 @@ class Engine:
         """
         Args:
             max_batch_rows: most rows in one batched forward (0: the block size).
-            append_rows: most append rows per forward while a Generate streams (0: a quarter of the batch).
+            append_rows: append rows per forward while a Generate streams (0: learnt, see Scheduler).
         """
         self.loaded = loaded
         self.spec = loaded.spec
@@ -75,7 +75,7 @@ class Engine:
         self.backend: Backend = LocalBackend(loaded.model, loaded.spec, self.block)
         self.draft_backend = LocalBackend(draft.model, draft.spec, self.block) if draft is not None else None
         rows = min(max_batch_rows or self.block, self.block)
-        self.scheduler = Scheduler(lambda: self.backend, rows, append_rows or max(1, rows // 4))
+        self.scheduler = Scheduler(lambda: self.backend, rows, append_rows)
 
     def use_backend(self, backend: Backend) -> None:
         """Run the target's layers on `backend` from now on (call before serving; e.g. a shard route)."""
@@ -89,6 +89,18 @@ class Engine:
     def geometry(self, sink: int, window: int) -> CacheGeometry:
         """Cache geometry of a session with this sink/window on this engine."""
         return CacheGeometry(sink=sink, window=window, max_block=self.block, max_rollback=rollback_room(self.max_rollback))
+
+    def slab_bytes(self, sink: int, window: int) -> int:
+        """K/V bytes a session with this sink/window holds (wherever its layers run)."""
+        s = self.spec
+        return self.geometry(sink, window).slab_bytes(s.num_layers, s.num_kv_heads, s.head_dim)
+
+    def draft_slab_bytes(self, sink: int, window: int) -> int:
+        """K/V bytes of a session's draft-model cache (0 without a draft model)."""
+        if self.draft is None:
+            return 0
+        s = self.draft.spec
+        return self.geometry(sink, window).slab_bytes(s.num_layers, s.num_kv_heads, s.head_dim)
 
     def open_session(self, sink: int, window: int, tag: str = "") -> SessionCoordinator:
         """A new session's coordinator (allocates its KV slab, here or on the route). Engine thread."""

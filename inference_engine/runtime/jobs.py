@@ -15,10 +15,12 @@ from typing import Callable
 
 import mlx.core as mx
 
+from inference_engine.decoding.call_output import CallOutput, Usage
 from inference_engine.decoding.drafter import Drafter
+from inference_engine.decoding.options import StepOptions
 from inference_engine.decoding.step import StepPlan, StepResult, finish_step, plan_step
 from inference_engine.errors import EngineUnavailable
-from inference_engine.runtime.scheduler import Job
+from inference_engine.runtime.scheduler import Job, resolve
 from inference_engine.runtime.types import AppendResult, GenerateParams, StopReason
 from inference_engine.session.coordinator import Checkpoint
 from inference_engine.session.session import Session
@@ -61,7 +63,7 @@ class AppendJob(Job):
         if self.fed == len(self.tokens):
             mx.eval(coord.verifier.next_token_logits)  # the call succeeds only once computed
             self.is_done = True
-            self._settle(AppendResult(len(coord.log), coord.verifier.next_global_position), None)
+            self._settle(AppendResult(len(coord.log), coord.verifier.next_global_position, tuple(self.tokens)), None)
 
     def abort(self, exc: BaseException | None) -> None:
         if self.mark is not None:
@@ -70,7 +72,15 @@ class AppendJob(Job):
         self._settle(None, exc or AppendCancelled("the append was cancelled; nothing was appended"))
 
     def _settle(self, result: AppendResult | None, exc: BaseException | None) -> None:
-        self._loop.call_soon_threadsafe(_resolve, self.future, result, exc)
+        self._loop.call_soon_threadsafe(resolve, self.future, result, exc)
+
+
+@dataclass(frozen=True)
+class GenerateStep:
+    """One step's output for the stream."""
+
+    step: StepResult  # the committed tokens (and their logprobs)
+    text: str  # their text (a stop string and what follows it cut off)
 
 
 @dataclass(frozen=True)
@@ -81,6 +91,9 @@ class GenerateEnd:
     history_length: int  # tokens in the log at the end
     drafted: int  # drafts verified in this call
     accepted: int  # drafts accepted in this call
+    text: str  # text held back until the end (a possible stop-string prefix that never completed)
+    usage: Usage  # counts and timings of the call
+    seed: int  # the seed the call sampled with
 
 
 class GenerateJob(Job):
@@ -95,18 +108,22 @@ class GenerateJob(Job):
     is_decoder = True
 
     def __init__(self, session: Session, params: GenerateParams, drafter: Drafter | None, stop_ids: frozenset[int],
-                 loop: asyncio.AbstractEventLoop, is_stopping: Callable[[], bool], wake: Callable[[], None]):
+                 options: StepOptions, text: CallOutput, loop: asyncio.AbstractEventLoop,
+                 is_stopping: Callable[[], bool], wake: Callable[[], None]):
         super().__init__(session)
         self.params = params
         self.drafter = drafter
         self.stop_ids = stop_ids
-        self.out: asyncio.Queue[StepResult | GenerateEnd | BaseException] = asyncio.Queue()
+        self.options = options  # sampling, logprobs, the stop-string cut
+        self.text = text  # the call's text stream (engine thread only; see CallOutput)
+        self.out: asyncio.Queue[GenerateStep | GenerateEnd | BaseException] = asyncio.Queue()
         self.finished: asyncio.Future[None] = loop.create_future()
         self._loop = loop
         self._is_stopping = is_stopping  # the session was closed or the server is shutting down
         self._wake = wake
         self._lock = threading.Lock()
-        self._unhanded: StepResult | None = None  # pushed to `out`, not yet taken by the stream
+        self._unhanded: GenerateStep | None = None  # pushed to `out`, not yet taken by the stream
+        self._retracted = False  # a step was taken back: its text never reaches the end either
         self._plan: StepPlan | None = None
         self._block: Block | None = None
         self.produced = self.drafted = self.accepted = 0
@@ -116,7 +133,7 @@ class GenerateJob(Job):
     def is_quiescent(self) -> bool:
         return self.is_done or (self._unhanded is None and self._block is None)
 
-    def hand(self, step: StepResult) -> bool:
+    def hand(self, step: GenerateStep) -> bool:
         """The stream takes `step` (loop thread): it counts as sent. False if it was retracted."""
         with self._lock:
             if self._unhanded is not step:
@@ -136,30 +153,36 @@ class GenerateJob(Job):
             return None
         remaining = self.params.max_new_tokens - self.produced
         k = min(self.params.num_draft_tokens, budget - 1)
-        self._plan = plan_step(self.session, self.drafter if k > 0 else None, k, remaining, self.stop_ids)
+        self._plan = plan_step(self.session, self.drafter if k > 0 else None, k, remaining, self.stop_ids,
+                               self.options)
         self._block = self.session.coordinator.begin(list(self._plan.block), all_logits=self._plan.drafted > 0)
         return self._block
 
     def update(self, result: object) -> None:
         coord = self.session.coordinator
         self._block = None
-        step = finish_step(self.session, self._plan, coord.end(result), self.stop_ids)
+        step = finish_step(self.session, self._plan, coord.end(result), self.stop_ids, self.options)
         self.produced += len(step.tokens)
         self.drafted, self.accepted = self.drafted + step.drafted, self.accepted + step.accepted
-        if self.stop_ids.intersection(step.tokens):
+        if self.text.is_stopped:
+            self.stop = StopReason.STOP_STRING
+        elif self.stop_ids.intersection(step.tokens):
             self.stop = StopReason.EOS
         elif self.produced >= self.params.max_new_tokens:
             self.stop = StopReason.MAX_TOKENS
+        item = GenerateStep(step, self.text.step_text())
         with self._lock:
-            self._unhanded = step
-        self._loop.call_soon_threadsafe(self.out.put_nowait, step)
+            self._unhanded = item
+        self._loop.call_soon_threadsafe(self.out.put_nowait, item)
 
     def _retract_unhanded(self) -> None:
         """Take back the step the stream has not taken (it will never be sent)."""
         with self._lock:
             unsent, self._unhanded = self._unhanded, None
         if unsent is not None:
-            self.session.coordinator.retract(len(unsent.tokens), unsent.prior_logits)
+            self.session.coordinator.retract(len(unsent.step.tokens), unsent.step.prior_logits)
+            self.produced -= len(unsent.step.tokens)
+            self._retracted = True
 
     def abort(self, exc: BaseException | None) -> None:
         if self._block is not None:  # planned but never forwarded (the iteration was cut short)
@@ -172,22 +195,16 @@ class GenerateJob(Job):
         elif exc is not None:  # shutting down: end the stream properly
             self.stop = StopReason.CANCELLED
             self._push_end()
-        self._loop.call_soon_threadsafe(_resolve, self.finished, None, None)
+        self._loop.call_soon_threadsafe(resolve, self.finished, None, None)
 
     def _end(self) -> None:
         self.is_done = True
         self._push_end()
-        self._loop.call_soon_threadsafe(_resolve, self.finished, None, None)
+        self._loop.call_soon_threadsafe(resolve, self.finished, None, None)
 
     def _push_end(self) -> None:
-        end = GenerateEnd(self.stop, len(self.session.history), self.drafted, self.accepted)
+        held = "" if self._retracted else self.text.finish_text()
+        end = GenerateEnd(self.stop, len(self.session.history), self.drafted, self.accepted, held,
+                          self.text.usage(self.produced), self.params.options.sampling.seed)
         self._loop.call_soon_threadsafe(self.out.put_nowait, end)
 
-
-def _resolve(future: asyncio.Future, result: object, error: BaseException | None) -> None:
-    if future.done():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)

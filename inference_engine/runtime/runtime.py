@@ -15,7 +15,9 @@ import logging
 from typing import Awaitable, Callable
 
 from inference_engine.config import ServerConfig
+from inference_engine.decoding.call_output import CallOutput
 from inference_engine.decoding.drafter import Drafter, ModelDrafter, PromptLookupDrafter
+from inference_engine.decoding.options import StepOptions
 from inference_engine.errors import EngineUnavailable, InvariantViolation, SessionNotFound
 from inference_engine.runtime.engine import Engine
 from inference_engine.runtime.jobs import AppendCancelled, AppendJob, GenerateEnd, GenerateJob
@@ -33,6 +35,9 @@ from inference_engine.runtime.types import (
 from inference_engine.session.session import Session
 from inference_engine.session.session_store import SessionStore
 from inference_engine.short_id import short_id
+from inference_engine.text.chat import resolve_input
+from inference_engine.text.codec import require, text_codec
+from inference_engine.verifier.sink_window_verifier import SinkWindowVerifier
 
 log = logging.getLogger(__name__)
 Emit = Callable[[GenerateChunk], Awaitable[None]]
@@ -44,15 +49,25 @@ class Runtime:
     def __init__(self, engine: Engine, config: ServerConfig):
         self.engine = engine
         self.config = config
-        self.store = SessionStore(config.max_sessions, config.session_ttl_s)
+        self.store = SessionStore(config.max_sessions, config.session_ttl_s, config.max_kv_bytes)
         self.is_shutting_down = False  # running streams end at their next step
         self.is_draining = False  # new calls are refused (running ones go on)
         self._sweeper: asyncio.Task | None = None
         self._streams: set[asyncio.Future] = set()  # running Generate jobs' `finished`
+        self.text = text_codec(engine.loaded.tokenizer)  # the model's tokenizer; None = token ids only
         self.drafters: dict[DecodeMode, Drafter] = {DecodeMode.SPECULATIVE_LOOKUP: PromptLookupDrafter()}
         if engine.has_draft_model:
-            self.drafters[DecodeMode.SPECULATIVE_DRAFT] = ModelDrafter(
-                lambda s: engine.make_draft_cache(s.sink, s.window))
+            self.drafters[DecodeMode.SPECULATIVE_DRAFT] = ModelDrafter(self._draft_cache)
+
+    def _draft_cache(self, session: Session) -> SinkWindowVerifier:
+        """A draft-model cache for `session`, counted in the pool (engine thread).
+
+        Raises:
+            PoolExhausted: it would exceed --max-kv-bytes.
+        """
+        replaced = session.draft.verifier.nbytes if session.draft is not None else 0
+        self.store.reserve_bytes(self.engine.draft_slab_bytes(session.sink, session.window) - replaced)
+        return self.engine.make_draft_cache(session.sink, session.window)
 
     def start(self) -> None:
         """Start the idle-session sweeper (call from the event loop)."""
@@ -100,9 +115,9 @@ class Runtime:
             EngineUnavailable: the server is shutting down.
         """
         self._check_serving()
-        self.store.reserve()
         sink = p.sink or self.config.default_sink
         window = p.window or self.config.default_window
+        self.store.reserve(self.engine.slab_bytes(sink, window))
         session_id = self.store.new_id()
         coordinator = await self.engine.run(self.engine.open_session, sink, window, short_id(session_id))
         eos = p.eos_token_ids or self.engine.spec.eos_token_ids
@@ -129,16 +144,28 @@ class Runtime:
         self._check_serving()
         session = self.store.get(p.session_id, p.owner)
         session.acquire("AppendTokens")
-        job = AppendJob(session, list(p.tokens), asyncio.get_running_loop())
         try:
+            if p.expected_history_length is not None and p.expected_history_length != len(session.history):
+                raise InvariantViolation(
+                    f"expected_history_length is {p.expected_history_length} but the session holds "
+                    f"{len(session.history)} tokens; nothing was appended (read the history length with GetSessionInfo)"
+                )
+            tokens, chat = list(p.tokens), session.chat
+            if p.text is not None:  # text or chat messages become tokens once the session is held
+                r = await asyncio.to_thread(resolve_input, require(self.text), chat, session.history, p.text,
+                                            session.eos_token_ids, self.config.max_tokens_per_request)
+                tokens, chat = list(r.tokens), r.chat
+            job = AppendJob(session, tokens, asyncio.get_running_loop())
             self.engine.scheduler.start(job)
             try:
-                return await asyncio.shield(job.future)
+                result = await asyncio.shield(job.future)
             except AppendCancelled:
                 raise self._closed(session) from None
             except asyncio.CancelledError:
                 await self._undo_append(job)
                 raise
+            session.chat = chat
+            return result
         finally:
             self.store.release(session)
 
@@ -172,13 +199,19 @@ class Runtime:
                 "SPECULATIVE_DRAFT needs a draft model and this server has none (start it with --draft-model); "
                 "SPECULATIVE_LOOKUP and GREEDY are available"
             )
+        if p.options.stop:
+            require(self.text)  # stop strings are matched on text
         session.acquire("Generate")
         try:
             if not session.history:
                 raise InvariantViolation("the session has no tokens yet: call AppendTokens before Generate")
-            stop_ids = frozenset() if p.ignore_eos else frozenset(session.eos_token_ids)
-            job = GenerateJob(session, p, self.drafters.get(p.mode), stop_ids, asyncio.get_running_loop(),
-                              lambda: session.is_closed or self.is_shutting_down, self.engine.scheduler.wake)
+            out = CallOutput(self.text, session.history, p.options.stop)  # text, stop strings, usage
+            options = StepOptions(p.options.sampling, p.options.top_logprobs if p.options.logprobs else None,
+                                  out.keep if out.has_text else None)
+            stop_ids = p.options.stop_ids(session.eos_token_ids, p.ignore_eos)
+            job = GenerateJob(session, p, self.drafters.get(p.mode), stop_ids, options, out,
+                              asyncio.get_running_loop(), lambda: session.is_closed or self.is_shutting_down,
+                              self.engine.scheduler.wake)
             self._streams.add(job.finished)
             try:
                 self.engine.scheduler.start(job)
@@ -198,10 +231,11 @@ class Runtime:
             if isinstance(item, BaseException):
                 raise item
             if isinstance(item, GenerateEnd):
-                await emit(GenerateChunk((), item.stop_reason, item.history_length, item.drafted, item.accepted))
+                await emit(GenerateChunk((), item.stop_reason, item.history_length, item.drafted, item.accepted,
+                                         text=item.text, usage=item.usage, seed=item.seed))
                 return
             if job.hand(item):  # from here on it counts as sent
-                await emit(GenerateChunk(item.tokens))
+                await emit(GenerateChunk(item.step.tokens, text=item.text, logprobs=item.step.logprobs))
 
     async def close_session(self, session_id: str, owner: str = ANONYMOUS) -> int:
         """Close `owner`'s session; returns its final history length (after its running call ends).

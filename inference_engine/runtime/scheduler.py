@@ -5,9 +5,11 @@ next decode step of every streaming Generate, speculative verify blocks, and the
 of each pending AppendTokens. Within the forward each row attends to its own session's cache,
 and the matmuls are row-invariant, so a session's bits never depend on its companions.
 
-Rows per iteration are bounded (`max_rows`, at most the probed tile); while any Generate is
-streaming, appends get at most `append_rows` of them, so a long append never starves the
-decoders. Generate jobs go first, then appends, each kind in rotating order.
+Rows per iteration are bounded (`max_rows`, at most the probed tile). Generate jobs go
+first, then appends, each kind in rotating order; while any Generate is streaming, appends
+get only as many rows as keep the iteration within GAP_SLACK times what the streams' rows
+would take alone (`cost_model.py`, learnt from the loop's own iterations), so a long append
+never starves the decoders.
 
 Between iterations the loop runs plain calls (`run`: create a session, describe it, ...).
 A call tied to a session (`run_quiescent`) waits until that session's job is at a clean
@@ -29,12 +31,14 @@ from typing import Callable, TypeVar
 import mlx.core as mx
 
 from inference_engine.errors import EngineUnavailable
+from inference_engine.runtime.cost_model import CostModel
 from inference_engine.session.session import Session
 from inference_engine.verifier.executor import Backend, Block
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 STATS_EVERY_S = 30.0  # how often the loop logs its batch sizes (when it did any work)
+GAP_SLACK = 2.0  # while streams run, an iteration may take this many times what their rows alone would
 
 
 class Job(ABC):
@@ -46,6 +50,8 @@ class Job(ABC):
         self.session = session
         self.is_cancelled = False  # set from any thread; takes effect at the job's next iteration
         self.is_done = False  # the job has finished (set by the job on the engine thread)
+        self.queued_at = time.monotonic()  # when the job was started; None once its first block ran
+        self.has_run = False  # its first block has been planned
 
     def cancel(self) -> None:
         """Stop at the next iteration (thread-safe)."""
@@ -100,16 +106,19 @@ class BatchStats:
 class Scheduler:
     """Owns the engine thread: plain calls and jobs, batched into one forward per iteration."""
 
-    def __init__(self, backend: Callable[[], Backend], max_rows: int, append_rows: int, name: str = "mlx-engine"):
+    def __init__(self, backend: Callable[[], Backend], max_rows: int, append_rows: int = 0, name: str = "mlx-engine"):
         """
         Args:
             backend: the engine's current backend (read at every iteration).
             max_rows: most rows in one forward (the probed tile at most).
-            append_rows: most append rows per iteration while a Generate streams.
+            append_rows: append rows per iteration while a Generate streams; 0 = as many as
+                keep the iteration within GAP_SLACK times the streams' rows alone (learnt).
         """
         self._backend = backend
         self.max_rows = max_rows
-        self.append_rows = max(1, min(append_rows, max_rows))
+        self.append_rows = min(append_rows, max_rows)
+        self.cost = CostModel(max_rows)
+        self._last: tuple[int, float] | None = None  # rows and start of the forward still running
         self._calls: deque[_Call] = deque()
         self._deferred: list[_Call] = []
         self._new_jobs: deque[Job] = deque()
@@ -118,7 +127,8 @@ class Scheduler:
         self._wake = threading.Event()
         self._is_closed = False
         self.stats = BatchStats()
-        self.on_iteration: Callable[[int, int, float], None] | None = None  # (rows, sessions, seconds): metrics
+        self.observers: list[Callable[[int, int, float], None]] = []  # (rows, sessions, seconds) per forward
+        self.on_queue_wait: Callable[[float], None] | None = None  # seconds a job waited for its first block
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -181,6 +191,8 @@ class Scheduler:
 
     def _run(self) -> None:
         while True:
+            if not self._wake.is_set():
+                self._last = None  # about to idle: the time until the next forward is not its cost
             self._wake.wait()
             self._wake.clear()
             with self._lock:
@@ -212,11 +224,15 @@ class Scheduler:
                 result, error = call.fn(*call.args), None
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 result, error = None, exc
-            call.loop.call_soon_threadsafe(_resolve, call.future, result, error)
+            call.loop.call_soon_threadsafe(resolve, call.future, result, error)
         self._deferred = waiting
 
     def _iterate(self) -> bool:
         """One schedule → execute → update pass; whether any job advanced."""
+        started = time.perf_counter()
+        if self._last is not None:  # the previous forward's rows took until now (nothing idled in between)
+            self.cost.observe(self._last[0], started - self._last[1])
+            self._last = None
         for job in list(self._jobs):
             if job.is_cancelled and not job.is_done:
                 self._finish(job, None)
@@ -226,18 +242,39 @@ class Scheduler:
         if not self._jobs:
             return ended
         planned: list[tuple[Job, Block]] = []
-        rows, append_left = 0, self.max_rows
         decoders = [j for j in self._jobs if j.is_decoder]
-        if decoders:
-            append_left = self.append_rows
-        for job in decoders + [j for j in self._jobs if not j.is_decoder]:
-            budget = self.max_rows - rows if job.is_decoder else min(self.max_rows - rows, append_left)
-            if budget <= 0:
-                continue
+        ended |= self._plan(decoders, self.max_rows, planned)
+        rows = sum(len(b.tokens) for _, b in planned)
+        room = self.max_rows - rows
+        if rows and room > 0:  # streams are waiting on this forward: appends get a share that keeps it short
+            room = (min(self.append_rows, room) if self.append_rows
+                    else self.cost.append_budget(rows, room, GAP_SLACK, fallback=max(1, room // 4)))
+        ended |= self._plan([j for j in self._jobs if not j.is_decoder], room, planned)
+        self._rotate()
+        if not planned:
+            return ended or any(j.is_done for j in self._jobs)
+        rows = sum(len(b.tokens) for _, b in planned)
+        results = self._backend().forward([b for _, b in planned], wait=False)
+        for (job, _), result in zip(planned, results):
             try:
-                block = job.plan(budget)
+                job.update(result)
             except BaseException as exc:  # noqa: BLE001 - one session's failure stays its own
                 self._finish(job, exc)
+        self._last = (rows, started)
+        self._account(rows, len(planned), time.perf_counter() - started)
+        return True
+
+    def _plan(self, jobs: list[Job], room: int, planned: list[tuple[Job, Block]]) -> bool:
+        """Plan `jobs` in turn within `room` rows, appending to `planned`; whether any job ended."""
+        ended = False
+        for job in jobs:
+            if room <= 0:
+                break
+            try:
+                block = job.plan(room)
+            except BaseException as exc:  # noqa: BLE001 - one session's failure stays its own
+                self._finish(job, exc)
+                ended = True
                 continue
             if block is None:
                 if job.is_cancelled and not job.is_done:  # it gave up while planning (e.g. its session closed)
@@ -245,21 +282,12 @@ class Scheduler:
                     ended = True
                 continue
             planned.append((job, block))
-            rows += len(block.tokens)
-            if not job.is_decoder:
-                append_left -= len(block.tokens)
-        self._rotate()
-        if not planned:
-            return ended or any(j.is_done for j in self._jobs)
-        started = time.perf_counter()
-        results = self._backend().forward([b for _, b in planned], wait=False)
-        for (job, _), result in zip(planned, results):
-            try:
-                job.update(result)
-            except BaseException as exc:  # noqa: BLE001 - one session's failure stays its own
-                self._finish(job, exc)
-        self._account(rows, len(planned), time.perf_counter() - started)
-        return True
+            room -= len(block.tokens)
+            if not job.has_run:
+                job.has_run = True
+                if self.on_queue_wait is not None:
+                    self.on_queue_wait(time.monotonic() - job.queued_at)
+        return ended
 
     def _finish(self, job: Job, exc: BaseException | None) -> None:
         try:
@@ -278,8 +306,8 @@ class Scheduler:
 
     def _account(self, rows: int, sessions: int, seconds: float) -> None:
         self.stats.add(rows, sessions)
-        if self.on_iteration is not None:
-            self.on_iteration(rows, sessions, seconds)
+        for observe in self.observers:
+            observe(rows, sessions, seconds)
         now = time.monotonic()
         if now - self.stats.since >= STATS_EVERY_S:
             s = self.stats
@@ -288,8 +316,9 @@ class Scheduler:
             self.stats = BatchStats()
 
 
-def _resolve(future: asyncio.Future, result: object, error: BaseException | None) -> None:
-    if future.cancelled():
+def resolve(future: asyncio.Future, result: object, error: BaseException | None) -> None:
+    """Settle `future` with `result` or `error` (on its loop; a no-op if it is already settled)."""
+    if future.done():
         return
     if error is not None:
         future.set_exception(error)

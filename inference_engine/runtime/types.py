@@ -5,7 +5,11 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from inference_engine.decoding.call_output import Usage
+from inference_engine.decoding.logprobs import TokenLogprobs
+from inference_engine.decoding.options import GenerationOptions
 from inference_engine.security.settings import ANONYMOUS
+from inference_engine.text.chat import ChatInput, TextInput
 
 DEFAULT_DRAFT_TOKENS = 4  # K when a request asks for 0
 
@@ -16,6 +20,7 @@ class StopReason(enum.Enum):
     MAX_TOKENS = 1  # produced max_new_tokens
     EOS = 2  # produced an end-of-sequence token (included in the stream)
     CANCELLED = 3  # the session was closed or the server is shutting down
+    STOP_STRING = 4  # the streamed text reached a stop string
 
 
 class DecodeMode(enum.Enum):
@@ -42,7 +47,9 @@ class AppendParams:
     """A validated AppendTokens request."""
 
     session_id: str  # target session
-    tokens: tuple[int, ...]  # non-empty, each < vocab size
+    tokens: tuple[int, ...]  # non-empty, each < vocab size; () when `text` is set
+    text: TextInput | ChatInput | None = None  # text or chat messages, tokenized once the session is held
+    expected_history_length: int | None = None  # fail unless the history holds exactly this many tokens
     owner: str = ANONYMOUS  # caller's identity (must own the session)
 
 
@@ -51,10 +58,11 @@ class GenerateParams:
     """A validated Generate request."""
 
     session_id: str  # target session
-    max_new_tokens: int  # 1..server limit
+    max_new_tokens: int  # 1..server limit (0 in the request: the server default)
     ignore_eos: bool  # keep going past EOS tokens
     mode: DecodeMode = DecodeMode.GREEDY  # decoding strategy
     num_draft_tokens: int = DEFAULT_DRAFT_TOKENS  # K, drafts per step (speculative modes)
+    options: GenerationOptions = GenerationOptions()  # sampling, stop strings, EOS ids, logprobs
     owner: str = ANONYMOUS  # caller's identity (must own the session)
 
 
@@ -73,6 +81,7 @@ class AppendResult:
 
     history_length: int  # tokens in the session's history
     next_global_position: int  # == history_length (INV-2)
+    tokens: tuple[int, ...] = ()  # the tokens this call appended
 
 
 @dataclass(frozen=True)
@@ -84,6 +93,10 @@ class GenerateChunk:
     history_length: int = 0  # final chunk only
     drafted: int = 0  # final chunk only: draft tokens verified in this call
     accepted: int = 0  # final chunk only: draft tokens accepted in this call
+    text: str = ""  # text of the tokens (and, on the final chunk, held-back text)
+    logprobs: tuple[TokenLogprobs, ...] = ()  # per token, when asked for
+    usage: Usage | None = None  # final chunk only
+    seed: int = 0  # final chunk only: the seed the call sampled with
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from inference_engine.server.error_details import abort_with
 from inference_engine.server.health import RUNTIME_SERVICE, HealthReporter
 from inference_engine.server.rpc_observer import RpcObserver
 from inference_engine.server.servicer import RuntimeServicer
+from inference_engine.server.transfer_servicer import TransferServicer
 from inference_engine.v1 import runtime_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
@@ -35,6 +36,10 @@ HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 
 async def _reject(context: grpc.aio.ServicerContext, message: str) -> None:
     await abort_with(context, Unauthenticated(message))
+
+
+def _observe_batch(rows: int, sessions: int, seconds: float) -> None:
+    metrics.BATCH_ROWS.observe(rows)
 
 
 @dataclass
@@ -50,6 +55,10 @@ class Frontend:
         """Serve `runtime` from now on: start its sweeper, point the pool gauges at it, report SERVING."""
         store = runtime.store
         metrics.track_pool(lambda: store.slabs_in_use, store.max_sessions, store.kv_bytes_in_use)
+        scheduler = runtime.engine.scheduler
+        if _observe_batch not in scheduler.observers:  # an engine may be served more than once (tests)
+            scheduler.observers.append(_observe_batch)
+        scheduler.on_queue_wait = metrics.QUEUE_WAIT_SECONDS.observe
         self.servicer.attach(runtime)
         runtime.start()
         await self.health.set_serving(True)
@@ -73,7 +82,7 @@ async def open_frontend(cfg: ServerConfig, host: str, port: int) -> Frontend:
         interceptors.append(BearerAuthInterceptor(authenticator, reject=_reject))
     interceptors.append(DecodeGuard())
     server = grpc.aio.server(interceptors=interceptors)
-    servicer = RuntimeServicer(identify=authenticator.identity_of)
+    servicer = TransferServicer(identify=authenticator.identity_of)  # RuntimeServicer + the snapshot RPCs
     pb_grpc.add_RuntimeServiceServicer_to_server(servicer, server)
     health = HealthReporter()
     await health.set_serving(False)

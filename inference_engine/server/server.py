@@ -28,7 +28,9 @@ from inference_engine.model.packaged import DRAFT_MODEL, resolve_model_path
 from inference_engine.process_exit import wait_for_stop_signal
 from inference_engine.readiness import announce
 from inference_engine.runtime.engine import Engine
+from inference_engine.runtime.persistence import open_persistence
 from inference_engine.runtime.runtime import Runtime
+from inference_engine.runtime.session_transfer import SessionTransfer
 from inference_engine.server.frontend import Frontend, open_frontend, start_frontend
 from inference_engine.served_model import load_served_model, release_start_up_memory
 from inference_engine.server.metrics_http import MetricsEndpoint
@@ -162,6 +164,8 @@ async def _serve_engine(cfg: ServerConfig, engine: Engine, frontend: Frontend) -
     try:
         route, supervisor = await connect_shards(cfg, engine)
         runtime = Runtime(engine, cfg)
+        persistence = await open_persistence(SessionTransfer(runtime), cfg.persist_dir, cfg.persist_every,
+                                             cfg.persist_interval_s)  # --persist-sessions: restored before SERVING
         await frontend.attach(runtime)
         announce(cfg.host, frontend.port)
         await wait_for_stop_signal()
@@ -170,6 +174,8 @@ async def _serve_engine(cfg: ServerConfig, engine: Engine, frontend: Frontend) -
         await frontend.health.drain()
         await runtime.drain(cfg.grace_s)  # streams finish, or end with their final message (CANCELLED)
         await frontend.drain(max(0.1, cfg.grace_s - (time.monotonic() - started)))
+        if persistence is not None:
+            await persistence.close()  # every live session, after its in-flight call drained
         await runtime.stop()
     finally:
         if route is not None:

@@ -7,6 +7,8 @@ still loading) every call is UNAVAILABLE.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import functools
 import logging
 import time
@@ -17,17 +19,13 @@ import grpc
 from inference_engine import metrics
 from inference_engine.errors import EngineUnavailable, RuntimeServiceError
 from inference_engine.runtime.runtime import Runtime
-from inference_engine.runtime.types import (
-    DEFAULT_DRAFT_TOKENS,
-    AppendParams,
-    CreateSessionParams,
-    DecodeMode,
-    GenerateChunk,
-    GenerateParams,
-)
-from inference_engine.server import call_record
+from inference_engine.runtime.types import CreateSessionParams, GenerateChunk
+from inference_engine.server import call_record, convert
 from inference_engine.server.error_details import abort_with
+from inference_engine.server.model_info import describe_model
 from inference_engine.server.validation import Validator
+from inference_engine.text.chat import ChatInput
+from inference_engine.text.codec import require
 from inference_engine.v1 import runtime_pb2 as pb
 from inference_engine.v1 import runtime_pb2_grpc as pb_grpc
 
@@ -70,6 +68,7 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
     def attach(self, runtime: Runtime) -> None:
         """Start serving calls with `runtime`."""
         self.validate = Validator(runtime.config, runtime.engine.spec.vocab_size)
+        self.model_info = describe_model(runtime.engine, runtime.config, runtime.text)
         self.runtime = runtime
 
     @_mapped
@@ -93,29 +92,18 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
                            owner: str) -> pb.AppendTokensResponse:
         record = call_record.current()
         record.session_id = request.session_id
-        params = AppendParams(
-            session_id=self.validate.session_id(request.session_id),
-            tokens=self.validate.items("AppendTokensRequest.tokens", list(request.tokens)),
-            owner=owner,
-        )
+        params = dataclasses.replace(convert.append_params(self.validate, request), owner=owner)
         result = await self.runtime.append_tokens(params)
-        record.tokens_in = len(params.tokens)
-        metrics.TOKENS_APPENDED.inc(len(params.tokens))
-        return pb.AppendTokensResponse(history_length=result.history_length, next_global_position=result.next_global_position)
+        record.tokens_in = len(result.tokens)
+        metrics.TOKENS_APPENDED.inc(len(result.tokens))
+        return pb.AppendTokensResponse(history_length=result.history_length, next_global_position=result.next_global_position,
+                                       tokens=result.tokens)
 
     @_mapped
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, owner: str) -> None:
         record = call_record.current()
         record.session_id = request.session_id
-        params = GenerateParams(
-            session_id=self.validate.session_id(request.session_id),
-            max_new_tokens=self.validate.value("GenerateRequest.max_new_tokens", request.max_new_tokens),
-            ignore_eos=request.ignore_eos,
-            mode=DecodeMode(self.validate.value("GenerateRequest.mode", request.mode)),
-            num_draft_tokens=self.validate.value("GenerateRequest.num_draft_tokens", request.num_draft_tokens)
-            or DEFAULT_DRAFT_TOKENS,
-            owner=owner,
-        )
+        params = dataclasses.replace(convert.generate_params(self.validate, self.runtime.config, request), owner=owner)
         record.tokens_out = 0
         last = time.perf_counter()  # call start, then the previous step's hand-off
 
@@ -129,15 +117,7 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
                 metrics.TOKENS_GENERATED.inc(len(chunk.tokens))
             if chunk.stop_reason:
                 record.stop_reason = chunk.stop_reason.name
-            await context.write(
-                pb.GenerateResponse(
-                    tokens=chunk.tokens,
-                    stop_reason=chunk.stop_reason.value if chunk.stop_reason else pb.STOP_REASON_UNSPECIFIED,
-                    history_length=chunk.history_length,
-                    drafted_tokens=chunk.drafted,
-                    accepted_tokens=chunk.accepted,
-                )
-            )
+            await context.write(convert.generate_response(chunk))
 
         await self.runtime.generate(params, emit)
 
@@ -159,3 +139,31 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
             eos_token_ids=i.eos_token_ids, client_label=i.client_label, created_unix_nanos=i.created_ns,
             last_used_unix_nanos=i.last_used_ns, state_digest=i.state_digest, exact=i.is_exact, kv_bytes=i.kv_bytes,
         )
+
+    @_mapped
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext,
+                           owner: str) -> pb.GetModelInfoResponse:
+        return convert.model_info_response(self.model_info)
+
+    @_mapped
+    async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext,
+                       owner: str) -> pb.TokenizeResponse:
+        what = convert.tokenize_input(self.validate, request)
+        codec = require(self.runtime.text)
+
+        def tokenize() -> tuple[list[int], str]:  # off the event loop: templates and long texts take a while
+            if isinstance(what, ChatInput):
+                text = codec.render(what.messages, what.add_generation_prompt)
+                return codec.encode(text), text
+            return codec.encode(what.text, request.add_special_tokens), what.text
+
+        tokens, text = await asyncio.to_thread(tokenize)
+        return pb.TokenizeResponse(tokens=tokens, text=text)
+
+    @_mapped
+    async def Detokenize(self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext,
+                         owner: str) -> pb.DetokenizeResponse:
+        tokens = self.validate.items("DetokenizeRequest.tokens", list(request.tokens))
+        codec = require(self.runtime.text)
+        text = await asyncio.to_thread(codec.decode, tokens, request.skip_special_tokens)
+        return pb.DetokenizeResponse(text=text)

@@ -23,10 +23,13 @@ class ErrorSpec:
 # Most specific class first is not needed: lookup walks each exception's MRO.
 ERROR_SPECS: dict[type[errors.RuntimeServiceError], ErrorSpec] = {
     errors.MalformedRequest: ErrorSpec(grpc.StatusCode.INVALID_ARGUMENT, "MALFORMED_REQUEST"),
+    errors.SnapshotCorrupt: ErrorSpec(grpc.StatusCode.INVALID_ARGUMENT, "SNAPSHOT_CORRUPT"),
+    errors.SnapshotIncompatible: ErrorSpec(grpc.StatusCode.FAILED_PRECONDITION, "SNAPSHOT_INCOMPATIBLE"),
     errors.InvalidRequest: ErrorSpec(grpc.StatusCode.INVALID_ARGUMENT, "INVALID_REQUEST"),
     errors.SessionNotFound: ErrorSpec(grpc.StatusCode.NOT_FOUND, "SESSION_NOT_FOUND"),
     errors.PoolExhausted: ErrorSpec(grpc.StatusCode.RESOURCE_EXHAUSTED, "POOL_EXHAUSTED", retry_after_s=1.0),
     errors.InvariantViolation: ErrorSpec(grpc.StatusCode.FAILED_PRECONDITION, "FAILED_PRECONDITION"),
+    errors.FeatureUnavailable: ErrorSpec(grpc.StatusCode.FAILED_PRECONDITION, "FEATURE_UNAVAILABLE"),
     errors.SessionBusy: ErrorSpec(grpc.StatusCode.ABORTED, "SESSION_BUSY", retry_after_s=0.1),
     errors.EngineUnavailable: ErrorSpec(grpc.StatusCode.UNAVAILABLE, "ENGINE_UNAVAILABLE", retry_after_s=1.0),
     errors.Unauthenticated: ErrorSpec(grpc.StatusCode.UNAUTHENTICATED, "UNAUTHENTICATED"),

@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from inference_engine.config import ServerConfig
+from inference_engine.decoding.logprobs import MAX_TOP_LOGPROBS
 from inference_engine.errors import InvalidRequest
 from inference_engine.runtime.types import DecodeMode
+
+MAX_TEXT_CHARS = 1 << 20  # characters of one text, message content or Tokenize input
+MAX_MESSAGES = 256  # messages in one request
+MAX_STOP_STRINGS = 8  # stop strings in one Generate
 
 
 @dataclass(frozen=True)
 class Bound:
-    """Inclusive range of an integer field; `zero_ok` admits 0 as 'server default'."""
+    """Inclusive range of a numeric field; `zero_ok` admits 0 as 'server default' / 'off'."""
 
-    low: int
-    high: int
+    low: int | float
+    high: int | float
     zero_ok: bool = False
 
 
@@ -28,9 +34,27 @@ def bounds_table(cfg: ServerConfig, vocab_size: int) -> dict[str, Bound]:
         "CreateSessionRequest.client_label#": Bound(0, 256),
         "AppendTokensRequest.tokens[]": Bound(0, vocab_size - 1),
         "AppendTokensRequest.tokens#": Bound(1, cfg.max_tokens_per_request),
-        "GenerateRequest.max_new_tokens": Bound(1, cfg.max_new_tokens),
+        "AppendTokensRequest.text#": Bound(1, MAX_TEXT_CHARS),
+        "AppendTokensRequest.messages#": Bound(1, MAX_MESSAGES),
+        "ChatMessage.role#": Bound(1, 64),
+        "ChatMessage.content#": Bound(0, MAX_TEXT_CHARS),
+        "GenerateRequest.max_new_tokens": Bound(1, cfg.max_new_tokens, zero_ok=True),
         "GenerateRequest.num_draft_tokens": Bound(1, cfg.max_rollback, zero_ok=True),
         "GenerateRequest.mode": Bound(min(m.value for m in DecodeMode), max(m.value for m in DecodeMode)),
+        "GenerateRequest.temperature": Bound(0.0, 100.0),  # 0 = greedy
+        "GenerateRequest.top_k": Bound(1, vocab_size, zero_ok=True),  # 0 = all tokens
+        "GenerateRequest.top_p": Bound(0.0, 1.0),  # 0 or 1 = all tokens
+        "GenerateRequest.min_p": Bound(0.0, 1.0),  # 0 = all tokens
+        "GenerateRequest.repetition_penalty": Bound(0.0, 10.0),  # 0 or 1 = none
+        "GenerateRequest.stop#": Bound(0, MAX_STOP_STRINGS),
+        "GenerateRequest.stop[]#": Bound(1, 256),
+        "GenerateRequest.eos_token_ids#": Bound(0, 64),
+        "GenerateRequest.eos_token_ids[]": Bound(0, vocab_size - 1),
+        "GenerateRequest.top_logprobs": Bound(1, MAX_TOP_LOGPROBS, zero_ok=True),  # 0 = no alternatives
+        "TokenizeRequest.text#": Bound(0, MAX_TEXT_CHARS),
+        "TokenizeRequest.messages#": Bound(0, MAX_MESSAGES),
+        "DetokenizeRequest.tokens#": Bound(0, 1 << 16),
+        "DetokenizeRequest.tokens[]": Bound(0, vocab_size - 1),
         "*.session_id#": Bound(1, 128),
     }
 
@@ -55,6 +79,13 @@ class Validator:
         raise InvalidRequest(f"{field.rstrip('#')} = {value} is out of range; allowed {b.low}..{b.high}{zero}",
                              field_path(field))
 
+    def real(self, field: str, value: float) -> float:
+        """Check one floating-point field (finite, in range). Raises InvalidRequest."""
+        b = self.table[field]
+        if math.isfinite(value) and b.low <= value <= b.high:
+            return float(value)
+        raise InvalidRequest(f"{field} = {value} is out of range; allowed {b.low}..{b.high}", field_path(field))
+
     def length(self, field: str, n: int) -> None:
         """Check a repeated/string field's length (table key `Field#`). Raises InvalidRequest."""
         b = self.table[field + "#"]
@@ -70,6 +101,26 @@ class Validator:
                 raise InvalidRequest(f"{field}[{i}] = {v} is out of range; allowed {b.low}..{b.high} (vocab size {b.high + 1})",
                                      f"{field_path(field)}[{i}]")
         return tuple(values)
+
+    def strings(self, field: str, values: list[str]) -> tuple[str, ...]:
+        """Check a repeated string field's length and every string's length. Raises InvalidRequest."""
+        self.length(field, len(values))
+        b = self.table[field + "[]#"]
+        for i, v in enumerate(values):
+            if not b.low <= len(v) <= b.high:
+                raise InvalidRequest(f"{field}[{i}] has {len(v)} characters; allowed {b.low}..{b.high}",
+                                     f"{field_path(field)}[{i}]")
+        return tuple(values)
+
+    @staticmethod
+    def one_of(message: str, present: dict[str, bool]) -> str:
+        """The one field of `present` that is set. Raises InvalidRequest unless exactly one is."""
+        given = [name for name, is_set in present.items() if is_set]
+        if len(given) != 1:
+            names = ", ".join(present)
+            raise InvalidRequest(f"{message} needs exactly one of {names}; got {' and '.join(given) or 'none'}",
+                                 ",".join(present))
+        return given[0]
 
     def session_id(self, sid: str) -> str:
         """Check a session id's shape. Raises InvalidRequest."""

@@ -17,10 +17,11 @@ import logging
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 
 from inference_engine.errors import InvariantViolation
 from inference_engine.verifier.executor import Backend, Block
-from inference_engine.verifier.kv_cache import CacheGeometry
+from inference_engine.verifier.kv_cache import CacheGeometry, CanonicalKV
 from inference_engine.verifier.sink_window_verifier import SinkWindowVerifier
 from inference_engine.verifier.token_log import TokenLog
 
@@ -153,7 +154,8 @@ class SessionCoordinator:
             tokens_to_come: how many tokens may be committed before a restore; beyond the
                 rollback room the K/V is snapshotted (else a restore replays the whole log).
         """
-        kv = self.verifier.executor.snapshot() if tokens_to_come > self.geometry.max_rollback else None
+        deep = tokens_to_come > self.geometry.max_rollback and len(self.log) > 0  # an empty session rebuilds for free
+        kv = self.verifier.executor.snapshot() if deep else None
         return Checkpoint(len(self.log), self.verifier.next_token_logits, kv)
 
     def retract(self, n: int, logits: mx.array | None) -> None:
@@ -223,3 +225,41 @@ class SessionCoordinator:
     def close(self) -> None:
         """Free the session's K/V (here or on the route)."""
         self.verifier.executor.close()
+
+    # -- snapshots: the whole state out, and back into a new session ---------------------
+
+    def export_state(self) -> tuple[list[int], np.ndarray | None, CanonicalKV]:
+        """A copy of the session's state at a clean point: its log, (V,) next-token logits and canonical K/V.
+
+        Plain numpy (MLX arrays belong to the engine thread's stream): safe to hand to any thread.
+
+        Raises:
+            InvariantViolation: INV-2 does not hold (a block is pending).
+            RuntimeServiceError or any compute error: a needed rebuild failed.
+        """
+        self.ensure_ready()
+        logits = self.verifier.next_token_logits
+        return list(self.log), None if logits is None else np.array(logits), self.verifier.executor.canonical_kv()
+
+    @classmethod
+    def from_state(cls, backend: Backend, geometry: CacheGeometry, tokens: list[int], logits: np.ndarray | None,
+                   kv: CanonicalKV, tag: str = "") -> "SessionCoordinator":
+        """A new session standing exactly where `export_state` was taken (its K/V loaded, nothing recomputed).
+
+        Raises:
+            InvariantViolation: `kv` does not fit (positions, geometry or model); nothing is left allocated.
+            RuntimeServiceError: the backend could not open or load it; nothing is left allocated.
+        """
+        coordinator = cls(backend, geometry, tag)
+        try:
+            if kv.position != len(tokens) or (logits is None) != (not tokens):
+                raise InvariantViolation(f"a state of {len(tokens)} tokens with K/V at position {kv.position} "
+                                         f"and {'no ' if logits is None else ''}logits is not a session's state")
+            coordinator.log.extend(tokens)
+            coordinator.verifier.executor.load_canonical_kv(kv)
+            coordinator.verifier.reset(None if logits is None else mx.array(logits))
+            coordinator.check_invariants()
+        except BaseException:
+            coordinator.close()
+            raise
+        return coordinator

@@ -6,11 +6,13 @@ holds it: at once, or when its running call ends.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
 import time
+from typing import Callable, Iterator
 
-from inference_engine.errors import PoolExhausted, SessionNotFound
+from inference_engine.errors import InvalidRequest, PoolExhausted, SessionNotFound
 from inference_engine.security.settings import ANONYMOUS
 from inference_engine.session.session import Session
 
@@ -20,11 +22,22 @@ log = logging.getLogger(__name__)
 class SessionStore:
     """Sessions by id. A slab stays counted until its session is closed *and* idle."""
 
-    def __init__(self, max_sessions: int, ttl_s: float):
+    def __init__(self, max_sessions: int, ttl_s: float, max_kv_bytes: int = 0):
+        """
+        Args:
+            max_sessions: sessions (target slabs) at once.
+            ttl_s: idle seconds before a session expires.
+            max_kv_bytes: K/V bytes all sessions may hold together, draft caches included (0: no bound).
+        """
         self.max_sessions = max_sessions
         self.ttl_s = ttl_s
+        self.max_kv_bytes = max_kv_bytes
         self._sessions: dict[str, Session] = {}
-        self._draining: set[str] = set()  # closed but still busy: slab not yet free
+        self._draining: dict[str, Session] = {}  # closed but still busy: K/V not yet free
+        self._reserved = 0  # slabs held for sessions being built (`reservation`: restores, forks)
+        # Observers (--persist-sessions): a session was added or a call on it ended; one was closed or expired.
+        self.on_change: Callable[[Session], None] | None = None
+        self.on_remove: Callable[[Session], None] | None = None
 
     @staticmethod
     def new_id() -> str:
@@ -33,29 +46,70 @@ class SessionStore:
 
     @property
     def slabs_in_use(self) -> int:
-        """Open sessions plus closed ones whose last call has not finished."""
-        return len(self._sessions) + len(self._draining)
+        """Open sessions, closed ones whose last call has not finished, and reserved slabs."""
+        return len(self._sessions) + len(self._draining) + self._reserved
 
     def kv_bytes_in_use(self) -> int:
-        """K/V bytes of every open session (target and draft slabs)."""
-        return sum(s.kv_bytes for s in self._sessions.values())
+        """K/V bytes every session holds (target and draft slabs, closed ones still draining included)."""
+        return sum(s.kv_bytes for s in (*self._sessions.values(), *self._draining.values()))
 
-    def reserve(self) -> None:
-        """Check a slab is free before building one.
+    def reserve(self, nbytes: int = 0) -> None:
+        """Check a slab (and `nbytes` more K/V) fits before building it.
 
         Raises:
-            PoolExhausted: all `max_sessions` slabs are in use.
+            PoolExhausted: all `max_sessions` slabs are in use, or the bytes exceed `max_kv_bytes`.
         """
         self.expire_idle()
         if self.slabs_in_use >= self.max_sessions:
             raise PoolExhausted(
                 f"all {self.max_sessions} session slabs are in use; close a session or wait for idle ones to expire"
             )
+        self.reserve_bytes(nbytes)
 
-    def add(self, session: Session) -> None:
-        """Register a built session (after `reserve`)."""
+    def reserve_bytes(self, nbytes: int) -> None:
+        """Check `nbytes` more K/V fit under `max_kv_bytes` (e.g. a draft model's cache).
+
+        Raises:
+            PoolExhausted: with the numbers.
+        """
+        used = self.kv_bytes_in_use()
+        if self.max_kv_bytes and used + nbytes > self.max_kv_bytes:
+            raise PoolExhausted(
+                f"{nbytes} more bytes of K/V would bring the pool to {used + nbytes} bytes; --max-kv-bytes is "
+                f"{self.max_kv_bytes} ({used} in use): close a session, use a smaller window, or wait"
+            )
+
+    @contextlib.contextmanager
+    def reservation(self) -> Iterator[None]:
+        """Hold one slab while a session is built (a restore or fork: slow); `add(..., reserved=True)`
+        inside takes it, and it is released whatever happens.
+
+        Raises:
+            PoolExhausted: all `max_sessions` slabs are in use.
+        """
         self.reserve()
+        self._reserved += 1
+        try:
+            yield
+        finally:
+            self._reserved -= 1
+
+    def add(self, session: Session, reserved: bool = False) -> None:
+        """Register a built session (after `reserve`, or inside a `reservation` with `reserved`).
+
+        Raises:
+            PoolExhausted: the pool (slabs or --max-kv-bytes) filled up meanwhile.
+            InvalidRequest: the id is taken.
+        """
+        if reserved:
+            self.reserve_bytes(session.kv_bytes)
+        else:
+            self.reserve(session.kv_bytes)
+        if session.session_id in self._sessions:
+            raise InvalidRequest(f"a session with id {session.tag}… already exists")
         self._sessions[session.session_id] = session
+        if self.on_change is not None:
+            self.on_change(session)
 
     def get(self, session_id: str, owner: str = ANONYMOUS) -> Session:
         """The open session with this id, if `owner` owns it.
@@ -82,11 +136,17 @@ class SessionStore:
         self._remove(session)
         return session
 
+    def sessions(self) -> list[Session]:
+        """Every open session."""
+        return list(self._sessions.values())
+
     def _remove(self, session: Session) -> None:
         del self._sessions[session.session_id]
         session.is_closed = True
+        if self.on_remove is not None:
+            self.on_remove(session)
         if session.is_busy:
-            self._draining.add(session.session_id)
+            self._draining[session.session_id] = session
         else:
             session.free()
 
@@ -94,8 +154,10 @@ class SessionStore:
         """End a call on a session; frees the slab if the session was closed meanwhile."""
         session.release()
         if session.is_closed:
-            self._draining.discard(session.session_id)
+            self._draining.pop(session.session_id, None)
             session.free()
+        elif self.on_change is not None:
+            self.on_change(session)
 
     def close_all(self) -> None:
         """Close every session and free what is idle (shutdown)."""

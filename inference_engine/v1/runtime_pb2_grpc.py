@@ -59,6 +59,36 @@ class RuntimeServiceStub:
                 request_serializer=inference__engine_dot_v1_dot_runtime__pb2.GetSessionInfoRequest.SerializeToString,
                 response_deserializer=inference__engine_dot_v1_dot_runtime__pb2.GetSessionInfoResponse.FromString,
                 _registered_method=True)
+        self.GetModelInfo = channel.unary_unary(
+                '/inference_engine.v1.RuntimeService/GetModelInfo',
+                request_serializer=inference__engine_dot_v1_dot_runtime__pb2.GetModelInfoRequest.SerializeToString,
+                response_deserializer=inference__engine_dot_v1_dot_runtime__pb2.GetModelInfoResponse.FromString,
+                _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/inference_engine.v1.RuntimeService/Tokenize',
+                request_serializer=inference__engine_dot_v1_dot_runtime__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=inference__engine_dot_v1_dot_runtime__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/inference_engine.v1.RuntimeService/Detokenize',
+                request_serializer=inference__engine_dot_v1_dot_runtime__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=inference__engine_dot_v1_dot_runtime__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
+        self.SnapshotSession = channel.unary_stream(
+                '/inference_engine.v1.RuntimeService/SnapshotSession',
+                request_serializer=inference__engine_dot_v1_dot_runtime__pb2.SnapshotSessionRequest.SerializeToString,
+                response_deserializer=inference__engine_dot_v1_dot_runtime__pb2.SnapshotSessionResponse.FromString,
+                _registered_method=True)
+        self.RestoreSession = channel.stream_unary(
+                '/inference_engine.v1.RuntimeService/RestoreSession',
+                request_serializer=inference__engine_dot_v1_dot_runtime__pb2.RestoreSessionRequest.SerializeToString,
+                response_deserializer=inference__engine_dot_v1_dot_runtime__pb2.RestoreSessionResponse.FromString,
+                _registered_method=True)
+        self.ForkSession = channel.unary_unary(
+                '/inference_engine.v1.RuntimeService/ForkSession',
+                request_serializer=inference__engine_dot_v1_dot_runtime__pb2.ForkSessionRequest.SerializeToString,
+                response_deserializer=inference__engine_dot_v1_dot_runtime__pb2.ForkSessionResponse.FromString,
+                _registered_method=True)
 
 
 class RuntimeServiceServicer:
@@ -99,6 +129,54 @@ class RuntimeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetModelInfo(self, request, context):
+        """Describes the served model and the server's limits.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Tokenize(self, request, context):
+        """Text (or chat messages rendered with the model's chat template) to token ids.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """Token ids to text.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SnapshotSession(self, request, context):
+        """-- session snapshots (README: "Session snapshots") --
+        Writes a session's complete state as a snapshot (format in the README): streamed back in
+        chunks, or with to_dir written under the server's --snapshot-dir (the one message names the file).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RestoreSession(self, request_iterator, context):
+        """A new session, owned by the caller, from a snapshot: its bytes streamed in chunks, or one
+        message naming a file under --snapshot-dir. Its state_digest and every later token equal
+        the original's. FAILED_PRECONDITION when the snapshot comes from another format version,
+        model, tokenizer, kernels, block size or mode, or its sink/window exceed this server's limits;
+        INVALID_ARGUMENT when it is truncated, corrupted or not a snapshot.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ForkSession(self, request, context):
+        """A new session that starts as an exact copy of an existing one; both continue independently.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RuntimeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -126,6 +204,36 @@ def add_RuntimeServiceServicer_to_server(servicer, server):
                     servicer.GetSessionInfo,
                     request_deserializer=inference__engine_dot_v1_dot_runtime__pb2.GetSessionInfoRequest.FromString,
                     response_serializer=inference__engine_dot_v1_dot_runtime__pb2.GetSessionInfoResponse.SerializeToString,
+            ),
+            'GetModelInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetModelInfo,
+                    request_deserializer=inference__engine_dot_v1_dot_runtime__pb2.GetModelInfoRequest.FromString,
+                    response_serializer=inference__engine_dot_v1_dot_runtime__pb2.GetModelInfoResponse.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=inference__engine_dot_v1_dot_runtime__pb2.TokenizeRequest.FromString,
+                    response_serializer=inference__engine_dot_v1_dot_runtime__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=inference__engine_dot_v1_dot_runtime__pb2.DetokenizeRequest.FromString,
+                    response_serializer=inference__engine_dot_v1_dot_runtime__pb2.DetokenizeResponse.SerializeToString,
+            ),
+            'SnapshotSession': grpc.unary_stream_rpc_method_handler(
+                    servicer.SnapshotSession,
+                    request_deserializer=inference__engine_dot_v1_dot_runtime__pb2.SnapshotSessionRequest.FromString,
+                    response_serializer=inference__engine_dot_v1_dot_runtime__pb2.SnapshotSessionResponse.SerializeToString,
+            ),
+            'RestoreSession': grpc.stream_unary_rpc_method_handler(
+                    servicer.RestoreSession,
+                    request_deserializer=inference__engine_dot_v1_dot_runtime__pb2.RestoreSessionRequest.FromString,
+                    response_serializer=inference__engine_dot_v1_dot_runtime__pb2.RestoreSessionResponse.SerializeToString,
+            ),
+            'ForkSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.ForkSession,
+                    request_deserializer=inference__engine_dot_v1_dot_runtime__pb2.ForkSessionRequest.FromString,
+                    response_serializer=inference__engine_dot_v1_dot_runtime__pb2.ForkSessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -263,6 +371,168 @@ class RuntimeService:
             '/inference_engine.v1.RuntimeService/GetSessionInfo',
             inference__engine_dot_v1_dot_runtime__pb2.GetSessionInfoRequest.SerializeToString,
             inference__engine_dot_v1_dot_runtime__pb2.GetSessionInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetModelInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference_engine.v1.RuntimeService/GetModelInfo',
+            inference__engine_dot_v1_dot_runtime__pb2.GetModelInfoRequest.SerializeToString,
+            inference__engine_dot_v1_dot_runtime__pb2.GetModelInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference_engine.v1.RuntimeService/Tokenize',
+            inference__engine_dot_v1_dot_runtime__pb2.TokenizeRequest.SerializeToString,
+            inference__engine_dot_v1_dot_runtime__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference_engine.v1.RuntimeService/Detokenize',
+            inference__engine_dot_v1_dot_runtime__pb2.DetokenizeRequest.SerializeToString,
+            inference__engine_dot_v1_dot_runtime__pb2.DetokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SnapshotSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/inference_engine.v1.RuntimeService/SnapshotSession',
+            inference__engine_dot_v1_dot_runtime__pb2.SnapshotSessionRequest.SerializeToString,
+            inference__engine_dot_v1_dot_runtime__pb2.SnapshotSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RestoreSession(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/inference_engine.v1.RuntimeService/RestoreSession',
+            inference__engine_dot_v1_dot_runtime__pb2.RestoreSessionRequest.SerializeToString,
+            inference__engine_dot_v1_dot_runtime__pb2.RestoreSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ForkSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference_engine.v1.RuntimeService/ForkSession',
+            inference__engine_dot_v1_dot_runtime__pb2.ForkSessionRequest.SerializeToString,
+            inference__engine_dot_v1_dot_runtime__pb2.ForkSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

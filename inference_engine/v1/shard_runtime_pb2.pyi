@@ -176,34 +176,42 @@ class FlowControl(_message.Message):
     def __init__(self, credits_granted: _Optional[int] = ..., credits_available: _Optional[int] = ...) -> None: ...
 
 class ShardRequestFrame(_message.Message):
-    __slots__ = ("open", "chunk", "decode", "trim", "cancel", "digest")
+    __slots__ = ("open", "chunk", "decode", "trim", "cancel", "digest", "kv_export", "kv_import")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
     TRIM_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
+    KV_EXPORT_FIELD_NUMBER: _ClassVar[int]
+    KV_IMPORT_FIELD_NUMBER: _ClassVar[int]
     open: SessionOpen
     chunk: ActivationChunk
     decode: DecodeStep
     trim: ShardTrim
     cancel: CancelSignal
     digest: ShardDigest
-    def __init__(self, open: _Optional[_Union[SessionOpen, _Mapping]] = ..., chunk: _Optional[_Union[ActivationChunk, _Mapping]] = ..., decode: _Optional[_Union[DecodeStep, _Mapping]] = ..., trim: _Optional[_Union[ShardTrim, _Mapping]] = ..., cancel: _Optional[_Union[CancelSignal, _Mapping]] = ..., digest: _Optional[_Union[ShardDigest, _Mapping]] = ...) -> None: ...
+    kv_export: ShardKvExport
+    kv_import: ShardKvImport
+    def __init__(self, open: _Optional[_Union[SessionOpen, _Mapping]] = ..., chunk: _Optional[_Union[ActivationChunk, _Mapping]] = ..., decode: _Optional[_Union[DecodeStep, _Mapping]] = ..., trim: _Optional[_Union[ShardTrim, _Mapping]] = ..., cancel: _Optional[_Union[CancelSignal, _Mapping]] = ..., digest: _Optional[_Union[ShardDigest, _Mapping]] = ..., kv_export: _Optional[_Union[ShardKvExport, _Mapping]] = ..., kv_import: _Optional[_Union[ShardKvImport, _Mapping]] = ...) -> None: ...
 
 class ShardStepResult(_message.Message):
-    __slots__ = ("idempotency_step", "position", "next_position", "output", "layer_digests")
+    __slots__ = ("idempotency_step", "position", "next_position", "output", "layer_digests", "keys", "values")
     IDEMPOTENCY_STEP_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     NEXT_POSITION_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     LAYER_DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
     idempotency_step: int
     position: int
     next_position: int
     output: ActivationTensor
     layer_digests: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, idempotency_step: _Optional[int] = ..., position: _Optional[int] = ..., next_position: _Optional[int] = ..., output: _Optional[_Union[ActivationTensor, _Mapping]] = ..., layer_digests: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    keys: _containers.RepeatedCompositeFieldContainer[ActivationTensor]
+    values: _containers.RepeatedCompositeFieldContainer[ActivationTensor]
+    def __init__(self, idempotency_step: _Optional[int] = ..., position: _Optional[int] = ..., next_position: _Optional[int] = ..., output: _Optional[_Union[ActivationTensor, _Mapping]] = ..., layer_digests: _Optional[_Iterable[bytes]] = ..., keys: _Optional[_Iterable[_Union[ActivationTensor, _Mapping]]] = ..., values: _Optional[_Iterable[_Union[ActivationTensor, _Mapping]]] = ...) -> None: ...
 
 class ShardAck(_message.Message):
     __slots__ = ("idempotency_step", "duplicate", "cancelled")
@@ -334,3 +342,33 @@ class ShardReleaseResponse(_message.Message):
     EXISTED_FIELD_NUMBER: _ClassVar[int]
     existed: bool
     def __init__(self, existed: _Optional[bool] = ...) -> None: ...
+
+class ShardKvExport(_message.Message):
+    __slots__ = ("route_epoch", "deadline_unix_nanos", "idempotency_step", "position")
+    ROUTE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_UNIX_NANOS_FIELD_NUMBER: _ClassVar[int]
+    IDEMPOTENCY_STEP_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    route_epoch: int
+    deadline_unix_nanos: int
+    idempotency_step: int
+    position: int
+    def __init__(self, route_epoch: _Optional[int] = ..., deadline_unix_nanos: _Optional[int] = ..., idempotency_step: _Optional[int] = ..., position: _Optional[int] = ...) -> None: ...
+
+class ShardKvImport(_message.Message):
+    __slots__ = ("route_epoch", "deadline_unix_nanos", "idempotency_step", "position", "target_position", "keys", "values")
+    ROUTE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_UNIX_NANOS_FIELD_NUMBER: _ClassVar[int]
+    IDEMPOTENCY_STEP_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    TARGET_POSITION_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    route_epoch: int
+    deadline_unix_nanos: int
+    idempotency_step: int
+    position: int
+    target_position: int
+    keys: _containers.RepeatedCompositeFieldContainer[ActivationTensor]
+    values: _containers.RepeatedCompositeFieldContainer[ActivationTensor]
+    def __init__(self, route_epoch: _Optional[int] = ..., deadline_unix_nanos: _Optional[int] = ..., idempotency_step: _Optional[int] = ..., position: _Optional[int] = ..., target_position: _Optional[int] = ..., keys: _Optional[_Iterable[_Union[ActivationTensor, _Mapping]]] = ..., values: _Optional[_Iterable[_Union[ActivationTensor, _Mapping]]] = ...) -> None: ...

@@ -80,9 +80,9 @@ class ShardRuntimeServicer:
 
     def Session(self, request_iterator, context):
         """One route session: SessionOpen first (answered SessionAccepted), then work frames
-        (ActivationChunk, DecodeStep, ShardTrim, ShardDigest) and CancelSignal, each answered. Work frames
-        run in order. A non-retryable error closes the session: the error frame is the last
-        frame and the stream ends with the matching status code.
+        (ActivationChunk, DecodeStep, ShardTrim, ShardDigest, ShardKvExport, ShardKvImport) and
+        CancelSignal, each answered. Work frames run in order. A non-retryable error closes the
+        session: the error frame is the last frame and the stream ends with the matching status code.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

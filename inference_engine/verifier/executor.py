@@ -16,10 +16,12 @@ from typing import Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
+from inference_engine.errors import InvariantViolation
 from inference_engine.model.forward import Segment, Span, forward, forward_rows
 from inference_engine.model.loader import ModelSpec
-from inference_engine.verifier.kv_cache import CacheGeometry, SinkWindowKVCache
+from inference_engine.verifier.kv_cache import CacheGeometry, CanonicalKV, SinkWindowKVCache
 from inference_engine.verifier.token_log import TokenLog
 
 
@@ -41,6 +43,22 @@ class Executor(ABC):
     @abstractmethod
     def layer_digests(self) -> list[bytes]:
         """SHA-256 of each layer's canonical K/V, in layer order (see SinkWindowKVCache.digest)."""
+
+    @abstractmethod
+    def canonical_kv(self) -> CanonicalKV:
+        """A copy of the retained K/V of every layer in position order (a session snapshot; no block pending).
+
+        Equal for equal digests, wherever the layers run (here or on a route's workers).
+        """
+
+    @abstractmethod
+    def load_canonical_kv(self, kv: CanonicalKV) -> None:
+        """Load `kv` into this fresh executor (offset 0), which then stands at `kv.position`.
+
+        Raises:
+            InvariantViolation: the executor is not fresh, or `kv` does not fit its geometry and model.
+            RuntimeServiceError: a route could not take it (the executor should then be closed).
+        """
 
     @property
     @abstractmethod
@@ -160,6 +178,19 @@ class LocalExecutor(Executor):
 
     def layer_digests(self) -> list[bytes]:
         return [c.digest() for c in self.cache]
+
+    def canonical_kv(self) -> CanonicalKV:
+        keys, values = zip(*(c.canonical_state() for c in self.cache))
+        return CanonicalKV(self.offset, np.array(mx.stack(keys)), np.array(mx.stack(values)))  # (L, n_kv, n, D)
+
+    def load_canonical_kv(self, kv: CanonicalKV) -> None:
+        if len(kv.keys) != len(self.cache) or len(kv.values) != len(self.cache):
+            raise InvariantViolation(f"canonical K/V of {len(kv.keys)} layers for a model of {len(self.cache)}")
+        try:
+            for c, k, v in zip(self.cache, kv.keys, kv.values):
+                c.load_canonical(kv.position, k, v)
+        except ValueError as exc:
+            raise InvariantViolation(str(exc)) from None
 
     @property
     def nbytes(self) -> int:

@@ -105,6 +105,30 @@ def row_mask(geometry: CacheGeometry, start: int, length: int) -> mx.array:
     return mx.array(mask[:, None, None, :])
 
 
+def layer_digest(keys: np.ndarray, values: np.ndarray) -> bytes:
+    """SHA-256 of one layer's canonical K bytes then V bytes ((n_kv, n, D) each, C order)."""
+    return hashlib.sha256(np.ascontiguousarray(keys).tobytes() + np.ascontiguousarray(values).tobytes()).digest()
+
+
+@dataclass(frozen=True, eq=False)
+class CanonicalKV:
+    """A session's retained K/V, every layer, independent of where it ran and of the ring's slack.
+
+    The retained positions are `geometry.visible_positions(position)[:-1]` (the sinks, then the
+    window), in position order: what `canonical_state` and the digests read, so two sessions
+    with equal digests have equal canonical K/V, whichever block size, rollbacks or route
+    produced them.
+    """
+
+    position: int  # the caches' next position (tokens computed)
+    keys: np.ndarray  # (layers, n_kv, n, D) keys of the retained positions
+    values: np.ndarray  # (layers, n_kv, n, D) values of the retained positions
+
+    def layer_digests(self) -> list[bytes]:
+        """Per-layer digests, equal to `SinkWindowKVCache.digest` of the caches it was taken from."""
+        return [layer_digest(k, v) for k, v in zip(self.keys, self.values)]
+
+
 class SinkWindowKVCache:
     """One layer's K/V storage for one session (implements model.kv_protocol.KVCache).
 
@@ -175,7 +199,35 @@ class SinkWindowKVCache:
     def digest(self) -> bytes:
         """SHA-256 of the canonical K then V bytes (per layer, so shards can report theirs)."""
         k, v = self.canonical_state()
-        return hashlib.sha256(np.array(k).tobytes() + np.array(v).tobytes()).digest()
+        return layer_digest(np.array(k), np.array(v))
+
+    def load_canonical(self, offset: int, keys: np.ndarray, values: np.ndarray) -> None:
+        """Put a canonical state back (a restored snapshot): this cache then stands at `offset`.
+
+        The rows go to the slots their positions map to; every other slot keeps its zeros,
+        which no query from `offset` on reads unmasked (see the module docstring).
+
+        Args:
+            offset: the position the canonical state was taken at.
+            keys / values: (n_kv, n, D) K/V of `geometry.visible_positions(offset)[:-1]`, in order.
+        Raises:
+            ValueError: the cache is not fresh (offset 0), or the arrays do not fit (shape or dtype).
+        """
+        if self.offset != 0:
+            raise ValueError(f"a canonical state loads into a fresh cache only (this one is at {self.offset})")
+        pos = np.array(self.geometry.visible_positions(offset)[:-1] if offset else [], dtype=np.int64)
+        want = (self.keys.shape[0], len(pos), self.keys.shape[2])
+        dtype = np.dtype(str(self.keys.dtype).removeprefix("mlx.core."))
+        for name, a in (("keys", keys), ("values", values)):
+            if a.shape != want or a.dtype != dtype:
+                raise ValueError(f"canonical {name} {a.dtype}{list(a.shape)} do not fit a cache at position {offset}; "
+                                 f"expected {dtype}{list(want)}")
+        if len(pos):
+            idx = mx.array(self.geometry.slot_of(pos).astype(np.int32))
+            self.keys[:, idx, :] = mx.array(keys)
+            self.values[:, idx, :] = mx.array(values)
+            mx.eval(self.keys, self.values)
+        self.offset = offset
 
     @property
     def nbytes(self) -> int:

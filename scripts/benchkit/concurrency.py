@@ -13,24 +13,8 @@ import threading
 import time
 from typing import Any
 
-from benchkit.core import Plan, Prompts
+from benchkit.core import COPY_BACK, Plan, Prompts
 
-COPY_BACK = '''def fibonacci(n):
-    """Return the first n Fibonacci numbers."""
-    out = [0, 1]
-    while len(out) < n:
-        out.append(out[-1] + out[-2])
-    return out[:n]
-
-
-def is_prime(k):
-    if k < 2:
-        return False
-    for d in range(2, int(k ** 0.5) + 1):
-        if k % d == 0:
-            return False
-    return True
-'''
 
 
 def _stream(server: Any, sid: str, n: int, mode: int = 0, k: int = 0, times: list[float] | None = None,

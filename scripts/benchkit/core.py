@@ -13,6 +13,23 @@ from typing import Any, Callable
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
+# A prompt whose answer copies it back (prompt lookup's best case; bench_speculative and the concurrency bench).
+COPY_BACK = '''def fibonacci(n):
+    """Return the first n Fibonacci numbers."""
+    out = [0, 1]
+    while len(out) < n:
+        out.append(out[-1] + out[-2])
+    return out[:n]
+
+
+def is_prime(k):
+    if k < 2:
+        return False
+    for d in range(2, int(k ** 0.5) + 1):
+        if k % d == 0:
+            return False
+    return True
+'''
 CHAT_PROMPT = "Explain how a hash table works, and when you would use one instead of a sorted list."
 # Real English prose for long prompts: docstrings of standard-library modules (~6k tokens).
 CORPUS_MODULES = ("argparse", "csv", "json", "re", "heapq", "unittest", "pydoc", "doctest", "subprocess", "typing")

@@ -10,29 +10,20 @@ import grpc
 
 from inference_engine.v1 import runtime_pb2 as pb
 from inference_engine.v1 import runtime_pb2_grpc as pb_grpc
-from smokekit.common import (
-    FOLLOW_UP,
-    PROMPT,
-    RPC_TIMEOUT_S,
-    VOCAB_SIZE,
-    CheckFailed,
-    Generated,
-    ScenarioResult,
-    Tokenizer,
-)
+from smokekit.common import (CheckFailed, FOLLOW_UP, Generated, PROMPT, RPC_TIMEOUT_S, SAMPLING, STORY, ScenarioResult,
+                             VOCAB_SIZE)
 
 
 class Smoke:
     """Runs the scenarios in order against one channel and collects their results."""
 
-    def __init__(self, stub: pb_grpc.RuntimeServiceStub, tok: Tokenizer):
+    def __init__(self, stub: pb_grpc.RuntimeServiceStub):
         self.stub = stub
-        self.tok = tok
         self.results: list[ScenarioResult] = []
         self.open_sessions: set[str] = set()  # created here and not yet closed
         self.sid = ""  # the main session
         self.history = 0  # tokens the main session should hold
-        self.ended_turn = False  # last generation on the main session ended on EOS
+        self.default_new_tokens = 0  # GetModelInfo.limits.default_new_tokens
 
     # ---- plumbing -------------------------------------------------------------------------
 
@@ -75,19 +66,30 @@ class Smoke:
     async def append(self, sid: str, tokens: list[int]) -> pb.AppendTokensResponse:
         return await self.stub.AppendTokens(pb.AppendTokensRequest(session_id=sid, tokens=tokens), timeout=RPC_TIMEOUT_S)
 
-    async def generate(self, sid: str, n: int, ignore_eos: bool = False, first_token: asyncio.Event | None = None) -> Generated:
+    async def append_user(self, sid: str, text: str) -> pb.AppendTokensResponse:
+        """A user turn as chat messages: the server renders it as a continuation of the session."""
+        req = pb.AppendTokensRequest(session_id=sid, messages=[pb.ChatMessage(role="user", content=text)],
+                                     add_generation_prompt=True)
+        return await self.stub.AppendTokens(req, timeout=RPC_TIMEOUT_S)
+
+    async def generate(self, sid: str, n: int, ignore_eos: bool = False, first_token: asyncio.Event | None = None,
+                       **fields: Any) -> Generated:
         """Consume a whole Generate stream; sets `first_token` when the first token arrives."""
         t0 = time.perf_counter()
         tokens: list[int] = []
+        text, logprobs, usage = [], 0, {}
         stop, history = "", 0
-        call = self.stub.Generate(pb.GenerateRequest(session_id=sid, max_new_tokens=n, ignore_eos=ignore_eos), timeout=RPC_TIMEOUT_S)
-        async for msg in call:
+        req = pb.GenerateRequest(session_id=sid, max_new_tokens=n, ignore_eos=ignore_eos, **fields)
+        async for msg in self.stub.Generate(req, timeout=RPC_TIMEOUT_S):
             tokens.extend(msg.tokens)
+            text.append(msg.text)
+            logprobs += len(msg.logprobs)
             if tokens and first_token is not None:
                 first_token.set()
             if msg.stop_reason != pb.STOP_REASON_UNSPECIFIED:
                 stop, history = pb.StopReason.Name(msg.stop_reason), msg.history_length
-        return Generated(tokens, stop, history, time.perf_counter() - t0)
+                usage = {f.name: getattr(msg.usage, f.name) for f in msg.usage.DESCRIPTOR.fields}
+        return Generated(tokens, stop, history, time.perf_counter() - t0, "".join(text), logprobs, usage)
 
     def expect_history(self, what: str, got: int) -> None:
         """Compare the main session's history with the count kept here; resync on mismatch."""
@@ -96,10 +98,9 @@ class Smoke:
             raise CheckFailed(f"{what}: history_length {got}, expected {want}")
 
     def record_generation(self, data: dict[str, Any], gen: Generated) -> str:
-        text = self.tok.decode(gen.tokens)
-        data.update(tokens=gen.tokens, text=text, stop_reason=gen.stop_reason, history_length=gen.history_length,
-                    tokens_per_s=round(gen.tokens_per_s, 2), seconds=round(gen.seconds, 3))
-        return f"{len(gen.tokens)} tokens, {gen.tokens_per_s:.1f} tok/s, {gen.stop_reason}: {text!r}"
+        data.update(tokens=gen.tokens, text=gen.text, stop_reason=gen.stop_reason, history_length=gen.history_length,
+                    tokens_per_s=round(gen.tokens_per_s, 2), seconds=round(gen.seconds, 3), usage=gen.usage)
+        return f"{len(gen.tokens)} tokens, {gen.tokens_per_s:.1f} tok/s, {gen.stop_reason}: {gen.text!r}"
 
     async def wait_until_settled(self, sid: str, settle_s: float = 0.5, limit_s: float = 30.0) -> int:
         """History length once it has stopped changing for `settle_s` (a cancelled stream winds down)."""
@@ -130,38 +131,96 @@ class Smoke:
         self.expect_history("fresh session", i.history_length)
         return f"history 0, sink {i.sink_tokens}, window {i.window_tokens}, exact {i.exact}, kv_bytes {i.kv_bytes}"
 
+    async def model_info(self, data: dict[str, Any]) -> str:
+        i = await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=RPC_TIMEOUT_S)
+        data.update(model_name=i.model_name, vocab_size=i.vocab_size, eos_token_ids=list(i.eos_token_ids),
+                    has_chat_template=i.has_chat_template, exact=i.exact, block_size=i.block_size, kernels=i.kernels,
+                    default_new_tokens=i.limits.default_new_tokens, max_new_tokens=i.limits.max_new_tokens)
+        if i.vocab_size != VOCAB_SIZE or not (i.has_tokenizer and i.has_chat_template):
+            raise CheckFailed(f"vocab {i.vocab_size}, tokenizer {i.has_tokenizer}, template {i.has_chat_template}")
+        self.default_new_tokens = i.limits.default_new_tokens
+        return f"{i.model_name}: vocab {i.vocab_size}, EOS {list(i.eos_token_ids)}, block {i.block_size}, {i.kernels}"
+
+    async def tokenize_round_trip(self, data: dict[str, Any]) -> str:
+        text = "Héllo, 日本語 🎉 <|im_start|>"
+        tokens = list((await self.stub.Tokenize(pb.TokenizeRequest(text=text), timeout=RPC_TIMEOUT_S)).tokens)
+        back = (await self.stub.Detokenize(pb.DetokenizeRequest(tokens=tokens), timeout=RPC_TIMEOUT_S)).text
+        data.update(text=text, tokens=tokens, detokenized=back)
+        if back != text:
+            raise CheckFailed(f"Detokenize(Tokenize(text)) = {back!r}")
+        return f"{len(tokens)} tokens round-trip"
+
     async def append_prompt(self, data: dict[str, Any]) -> str:
-        ids = self.tok.chat_prompt(PROMPT)
-        data.update(prompt=PROMPT, tokens=ids, tokenizer=self.tok.source)
-        resp = await self.append(self.sid, ids)
-        self.history += len(ids)
-        data.update(history_length=resp.history_length, next_global_position=resp.next_global_position)
+        resp = await self.append_user(self.sid, PROMPT)
+        self.history += len(resp.tokens)
+        data.update(prompt=PROMPT, tokens=list(resp.tokens), history_length=resp.history_length,
+                    next_global_position=resp.next_global_position)
         self.expect_history("after the prompt", resp.history_length)
-        return f"{len(ids)} prompt tokens, history {resp.history_length}"
+        return f"{len(resp.tokens)} prompt tokens (chat template), history {resp.history_length}"
 
     async def generate_16(self, data: dict[str, Any]) -> str:
         gen = await self.generate(self.sid, 16)
         details = self.record_generation(data, gen)
         self.history += len(gen.tokens)
-        self.ended_turn = gen.stop_reason == "STOP_REASON_EOS"
-        if not (len(gen.tokens) == 16 and gen.stop_reason == "STOP_REASON_MAX_TOKENS") and not self.ended_turn:
+        ended = gen.stop_reason == "STOP_REASON_EOS"
+        if not (len(gen.tokens) == 16 and gen.stop_reason == "STOP_REASON_MAX_TOKENS") and not ended:
             raise CheckFailed(f"{len(gen.tokens)} tokens with {gen.stop_reason or 'no stop reason'}")
+        if not gen.text or gen.usage.get("generated_tokens") != len(gen.tokens):
+            raise CheckFailed(f"streamed text {gen.text!r}, usage {gen.usage}")
         self.expect_history("stream's last message", gen.history_length)
         return details
 
     async def append_and_continue(self, data: dict[str, Any]) -> str:
-        ids = self.tok.follow_up(FOLLOW_UP, self.ended_turn)
-        resp = await self.append(self.sid, ids)
-        self.history += len(ids)
+        resp = await self.append_user(self.sid, FOLLOW_UP)  # the server closes the reply's turn as the template does
+        self.history += len(resp.tokens)
         self.expect_history("after the follow-up", resp.history_length)
         gen = await self.generate(self.sid, 16)
         self.history += len(gen.tokens)
-        data.update(follow_up=FOLLOW_UP, follow_up_tokens=ids)
+        data.update(follow_up=FOLLOW_UP, follow_up_tokens=list(resp.tokens))
         details = self.record_generation(data, gen)
         if not gen.tokens:
             raise CheckFailed("the continuation generated nothing")
         self.expect_history("stream's last message", gen.history_length)
         return details
+
+    async def sampled_session(self, label: str, prompt: str = PROMPT, **fields: Any) -> Generated:
+        sid = await self.create(label)
+        try:
+            await self.append_user(sid, prompt)
+            return await self.generate(sid, 16, ignore_eos=True, **fields)
+        finally:
+            await self.close(sid)
+
+    async def seeded_sampling(self, data: dict[str, Any]) -> str:
+        """The same seed twice, and under prompt lookup with K=4: the same tokens; greedy differs."""
+        runs = {
+            "plain": await self.sampled_session("smoke-seed-a", STORY, **SAMPLING),
+            "again": await self.sampled_session("smoke-seed-b", STORY, **SAMPLING),
+            "lookup K=4": await self.sampled_session("smoke-seed-c", STORY, mode=pb.DECODE_MODE_SPECULATIVE_LOOKUP,
+                                                     num_draft_tokens=4, **SAMPLING),
+            "greedy": await self.sampled_session("smoke-greedy", STORY),
+        }
+        data.update(prompt=STORY, sampling=SAMPLING, **{k: {"tokens": g.tokens, "text": g.text} for k, g in runs.items()})
+        same = [k for k in ("again", "lookup K=4") if runs[k].tokens != runs["plain"].tokens]
+        if same:
+            raise CheckFailed(f"seed {SAMPLING['seed']} gave other tokens in: {', '.join(same)}")
+        if runs["greedy"].tokens == runs["plain"].tokens:
+            raise CheckFailed("sampling gave the greedy tokens: no draw happened")
+        return f"seed {SAMPLING['seed']}: plain, again and lookup K=4 equal: {runs['plain'].text!r}"
+
+    async def stop_string(self, data: dict[str, Any]) -> str:
+        gen = await self.sampled_session("smoke-stop", stop=["."], temperature=0.0)
+        data.update(tokens=gen.tokens, text=gen.text, stop_reason=gen.stop_reason)
+        if gen.stop_reason != "STOP_REASON_STOP_STRING" or "." in gen.text:
+            raise CheckFailed(f"{gen.stop_reason}: {gen.text!r}")
+        return f"stopped at '.': {gen.text!r}"
+
+    async def logprobs(self, data: dict[str, Any]) -> str:
+        gen = await self.sampled_session("smoke-logprobs", logprobs=True, top_logprobs=3)
+        data.update(tokens=len(gen.tokens), logprobs=gen.logprobs)
+        if gen.logprobs != len(gen.tokens):
+            raise CheckFailed(f"{gen.logprobs} logprob entries for {len(gen.tokens)} tokens")
+        return f"{gen.logprobs} tokens with logprobs and 3 alternatives"
 
     async def info_after_generate(self, data: dict[str, Any]) -> str:
         i = await self.info(self.sid)
@@ -186,9 +245,21 @@ class Smoke:
         return "token id 49152 was accepted"
 
     async def max_new_tokens_zero(self, data: dict[str, Any]) -> str:
+        """0 means the server default (GetModelInfo.limits.default_new_tokens)."""
+        await self.append_user(self.sid, "Say one word.")
+        self.history = (await self.info(self.sid)).history_length
         gen = await self.generate(self.sid, 0)
         self.history += len(gen.tokens)
-        return f"accepted: {len(gen.tokens)} tokens"
+        data.update(tokens=len(gen.tokens), stop_reason=gen.stop_reason)
+        limit = self.default_new_tokens
+        if not gen.tokens or len(gen.tokens) > limit or gen.stop_reason not in ("STOP_REASON_EOS", "STOP_REASON_MAX_TOKENS"):
+            raise CheckFailed(f"{len(gen.tokens)} tokens (server default {limit}), {gen.stop_reason}")
+        self.expect_history("stream's last message", gen.history_length)
+        return f"{len(gen.tokens)} tokens (server default {limit}), {gen.stop_reason}"
+
+    async def bad_sampling(self, data: dict[str, Any]) -> str:
+        await self.generate(self.sid, 4, temperature=-1.0)
+        return "temperature -1 was accepted"
 
     async def overlap_generate_append(self, data: dict[str, Any]) -> str:
         """A 64-token Generate streams while AppendTokens arrives on the same session."""
@@ -293,14 +364,20 @@ class Smoke:
             await asyncio.gather(*(self.close(sid) for sid in created))  # a failed close fails the scenario
 
     async def run_all(self) -> None:
+        await self.scenario("get_model_info", "OK", self.model_info)
+        await self.scenario("tokenize_round_trip", "OK", self.tokenize_round_trip)
         await self.scenario("create_session", "OK", self.create_session)
         await self.scenario("get_info", "OK", self.get_info)
         await self.scenario("append_chat_prompt", "OK", self.append_prompt)
         await self.scenario("generate_16", "OK", self.generate_16)
         await self.scenario("append_and_continue", "OK", self.append_and_continue)
         await self.scenario("info_after_generate", "OK", self.info_after_generate)
+        await self.scenario("seeded_sampling", "OK", self.seeded_sampling)
+        await self.scenario("stop_string", "OK", self.stop_string)
+        await self.scenario("logprobs", "OK", self.logprobs)
         await self.scenario("out_of_vocab_token", "INVALID_ARGUMENT", self.out_of_vocab)
-        await self.scenario("max_new_tokens_zero", "INVALID_ARGUMENT", self.max_new_tokens_zero)
+        await self.scenario("max_new_tokens_zero", "OK", self.max_new_tokens_zero)
+        await self.scenario("bad_sampling_field", "INVALID_ARGUMENT", self.bad_sampling)
         await self.scenario("overlap_generate_append", "ABORTED", self.overlap_generate_append)
         await self.scenario("cancel_mid_stream", "OK", self.cancel_mid_stream)
         await self.scenario("close_session", "OK", self.close_main)

@@ -6,6 +6,7 @@
         logits = await route.forward("s1", draft)                     # (len(draft), vocab)
         await route.trim("s1", 2)                                     # drop 2 rejected tokens
         digests = await route.layer_digests("s1")                     # per-layer K/V SHA-256s
+        layers = await route.export_kv("s1")                          # per-layer retained K/V (a snapshot)
         await route.release("s1")
 
     # After a worker restart (or any failure): a newer epoch, then replay the history.
@@ -34,6 +35,7 @@ from inference_engine.errors import InvalidRequest, InvariantViolation, SessionN
 from inference_engine.security.credentials import open_channel
 from inference_engine.security.settings import ClientSecurity
 from inference_engine.shard.client.hop_stream import HopStream
+from inference_engine.shard.client.kv_transfer import KvTransfer
 from inference_engine.shard.client.route_session import HopStats, RouteSession, checked_output
 from inference_engine.shard.protocol.errors import MalformedShardOutput
 from inference_engine.shard.protocol.status_codes import error_of_rpc
@@ -51,7 +53,7 @@ from inference_engine.v1 import shard_runtime_pb2_grpc as pb_grpc
 from inference_engine.verifier.kv_cache import CacheGeometry
 
 
-class ShardPipeline:
+class ShardPipeline(KvTransfer):
     """A route of shard workers computing one model, for many sessions."""
 
     def __init__(self, addresses: Sequence[str], *, epoch: int = 1, step_timeout_s: float = 120.0,

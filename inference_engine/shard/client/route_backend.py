@@ -21,12 +21,12 @@ from typing import Awaitable, Callable, Sequence, TypeVar
 import mlx.core as mx
 import numpy as np
 
-from inference_engine.errors import InvalidRequest, PoolExhausted, RuntimeServiceError
+from inference_engine.errors import InvalidRequest, InvariantViolation, PoolExhausted, RuntimeServiceError
 from inference_engine.model.loader import ModelSpec
 from inference_engine.shard.client.route import ShardRoute
 from inference_engine.shard.protocol.errors import ShardUnavailable
 from inference_engine.verifier.executor import Backend, Block, Executor
-from inference_engine.verifier.kv_cache import CacheGeometry
+from inference_engine.verifier.kv_cache import CacheGeometry, CanonicalKV
 from inference_engine.verifier.token_log import TokenLog
 
 T = TypeVar("T")
@@ -108,6 +108,26 @@ class RemoteExecutor(Executor):
     def layer_digests(self) -> list[bytes]:
         p = self.route.pipeline
         return self.route.call(lambda: self._recovering(lambda: p.layer_digests(self.session_id), self._offset))
+
+    def canonical_kv(self) -> CanonicalKV:
+        p = self.route.pipeline
+        layers = self.route.call(lambda: self._recovering(lambda: p.export_kv(self.session_id), self._offset))
+        keys, values = zip(*layers)
+        return CanonicalKV(self._offset, np.stack(keys), np.stack(values))  # (L, n_kv, n, D) each
+
+    def load_canonical_kv(self, kv: CanonicalKV) -> None:
+        if self._offset != 0:
+            raise InvariantViolation(f"canonical K/V loads into a fresh executor (this one is at {self._offset})")
+        s, p = self.backend.spec, self.route.pipeline
+        n = len(self.geometry.visible_positions(kv.position)[:-1]) if kv.position else 0
+        want = (s.num_layers, s.num_kv_heads, n, s.head_dim)
+        if kv.keys.shape != want or kv.values.shape != want:
+            raise InvariantViolation(f"canonical K/V of shape {list(kv.keys.shape)} does not fit this model at "
+                                     f"position {kv.position}; expected {list(want)}")
+        layers = list(zip(kv.keys, kv.values))
+        # A route failure midway reopens the session empty (the log is replayed only up to 0) and retries once.
+        self.route.call(lambda: self._recovering(lambda: p.import_kv(self.session_id, kv.position, layers), 0))
+        self._offset = kv.position
 
     @property
     def nbytes(self) -> int:

@@ -6,6 +6,7 @@ The servicer and the client both convert here; engines never see protobuf.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 
@@ -65,7 +66,7 @@ class OpenRequest:
 class FrameHeader:
     """The admission fields of a work frame (checked before its payload is decoded)."""
 
-    kind: str  # "chunk", "decode", "trim" or "digest"
+    kind: str  # "chunk", "decode", "trim", "digest", "kv_export" or "kv_import"
     epoch: int  # route epoch
     deadline_ns: int  # unix nanos, 0 = none
     step: int  # idempotency_step (>= 1)
@@ -82,7 +83,7 @@ def open_request(msg: pb.SessionOpen) -> OpenRequest:
 
 
 def frame_header(frame: pb.ShardRequestFrame) -> FrameHeader:
-    """Admission fields of a chunk/decode/trim/digest frame. Raises InvalidRequest."""
+    """Admission fields of a work frame (chunk, decode, trim, digest, kv_export, kv_import). Raises InvalidRequest."""
     kind = frame.WhichOneof("frame")
     msg = getattr(frame, kind)
     rsid = msg.route_session_id if kind == "chunk" else ""
@@ -114,6 +115,28 @@ def work_of(frame: pb.ShardRequestFrame) -> ShardWork:
     return work
 
 
+# Per block of a worker: (keys, values), (n_kv, n, head_dim) each: its retained positions in order.
+LayerKV = list[tuple[np.ndarray, np.ndarray]]
+
+
+def layer_kv_of(keys: Sequence[pb.ActivationTensor], values: Sequence[pb.ActivationTensor]) -> LayerKV:
+    """Decode per-layer K/V tensors (a ShardKvImport, or a ShardStepResult answering ShardKvExport).
+
+    Raises:
+        InvalidRequest: the key and value lists differ in length, or a tensor is unusable.
+        PayloadCorrupt: a tensor fails its fragment or CRC32C checks.
+    """
+    if len(keys) != len(values):
+        raise InvalidRequest(f"{len(keys)} key tensors but {len(values)} value tensors")
+    return [(decode_tensor(k), decode_tensor(v)) for k, v in zip(keys, values)]
+
+
+def kv_import_of(frame: pb.ShardRequestFrame) -> tuple[int, LayerKV]:
+    """A ShardKvImport's target position and per-layer K/V. Raises InvalidRequest, PayloadCorrupt."""
+    msg = frame.kv_import
+    return msg.target_position, layer_kv_of(msg.keys, msg.values)
+
+
 # -- server -> client -------------------------------------------------------------------
 
 
@@ -121,6 +144,14 @@ def result_frame(out: ShardOutput, flow: pb.FlowControl | None) -> pb.ShardRespo
     """A ShardStepResult carrying the output tensor."""
     result = pb.ShardStepResult(idempotency_step=out.work_id, position=out.position,
                                 next_position=out.next_position, output=encode_tensor(out.tensor))
+    return pb.ShardResponseFrame(result=result, flow=flow)
+
+
+def kv_result(step: int, position: int, layers: LayerKV, flow: pb.FlowControl | None) -> pb.ShardResponseFrame:
+    """The ShardStepResult answering a ShardKvExport."""
+    result = pb.ShardStepResult(idempotency_step=step, position=position, next_position=position)
+    result.keys.extend(encode_tensor(k) for k, _ in layers)
+    result.values.extend(encode_tensor(v) for _, v in layers)
     return pb.ShardResponseFrame(result=result, flow=flow)
 
 
@@ -200,6 +231,22 @@ def trim_frame(epoch: int, step: int, position: int, n: int, deadline_ns: int = 
     """A ShardTrim frame."""
     return pb.ShardRequestFrame(trim=pb.ShardTrim(route_epoch=epoch, deadline_unix_nanos=deadline_ns,
                                                   idempotency_step=step, position=position, tokens=n))
+
+
+def kv_export_frame(epoch: int, step: int, position: int, deadline_ns: int = 0) -> pb.ShardRequestFrame:
+    """A ShardKvExport frame."""
+    return pb.ShardRequestFrame(kv_export=pb.ShardKvExport(route_epoch=epoch, deadline_unix_nanos=deadline_ns,
+                                                          idempotency_step=step, position=position))
+
+
+def kv_import_frame(epoch: int, step: int, position: int, target: int, layers: LayerKV,
+                    deadline_ns: int = 0) -> pb.ShardRequestFrame:
+    """A ShardKvImport frame carrying one worker's blocks' K/V."""
+    msg = pb.ShardKvImport(route_epoch=epoch, deadline_unix_nanos=deadline_ns, idempotency_step=step,
+                           position=position, target_position=target)
+    msg.keys.extend(encode_tensor(k) for k, _ in layers)
+    msg.values.extend(encode_tensor(v) for _, v in layers)
+    return pb.ShardRequestFrame(kv_import=msg)
 
 
 def digest_frame(epoch: int, step: int, position: int, deadline_ns: int = 0) -> pb.ShardRequestFrame:

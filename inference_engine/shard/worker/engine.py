@@ -3,13 +3,16 @@
 Two implementations: `MlxShardEngine` (real layers on MLX) and `FaultInjectingEngine`
 (a test fixture wrapping another engine). `tests/shard_contract.py` checks both.
 
-Threading: prefill, decode, trim, layer_digests, open_session and release run on one engine thread;
+Threading: prefill, decode, trim, layer_digests, export_kv, import_kv, open_session and release run on one
+engine thread;
 `cancel`, `health`, `metrics` and `capabilities` may be called from any thread while work runs.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+
+import numpy as np
 
 from inference_engine.shard.protocol.types import ShardCapabilities, ShardHealth, ShardMetrics, ShardOutput, ShardWork
 from inference_engine.verifier.kv_cache import CacheGeometry
@@ -88,6 +91,28 @@ class ShardEngine(ABC):
         Raises:
             SessionNotFound: unknown session.
             InvariantViolation: `position` is not the session's.
+        """
+
+    @abstractmethod
+    def export_kv(self, session_id: str, position: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """A copy of each block's retained K/V (`SinkWindowKVCache.canonical_state`), in layer order.
+
+        Returns:
+            Per block (keys, values), (n_kv, n, head_dim) each: what `layer_digests` hashes.
+        Raises:
+            SessionNotFound: unknown session.
+            InvariantViolation: `position` is not the session's.
+        """
+
+    @abstractmethod
+    def import_kv(self, session_id: str, position: int, target: int,
+                  layers: list[tuple[np.ndarray, np.ndarray]]) -> int:
+        """Load retained K/V (as `export_kv` returns it) into a fresh session; returns its new position `target`.
+
+        Raises:
+            SessionNotFound: unknown session.
+            InvariantViolation: `position` is not the session's, or the session is not at 0.
+            InvalidRequest: the tensors do not fit this engine's blocks at `target` (count, shape, dtype).
         """
 
     @abstractmethod

@@ -210,6 +210,28 @@ class MlxShardEngine(ShardEngine):
             raise InvariantViolation(f"digest at position {position}, but the session is at {s.position}")
         return [c.digest() for c in s.cache]
 
+    def export_kv(self, session_id: str, position: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        s = self._session(session_id)
+        if position != s.position:
+            raise InvariantViolation(f"K/V export at position {position}, but the session is at {s.position}")
+        return [(np.array(k), np.array(v)) for k, v in (c.canonical_state() for c in s.cache)]
+
+    def import_kv(self, session_id: str, position: int, target: int,
+                  layers: list[tuple[np.ndarray, np.ndarray]]) -> int:
+        s = self._session(session_id)
+        if position != s.position or position != 0:
+            raise InvariantViolation(f"K/V import at position {position}, but the session is at {s.position} "
+                                     "(an import loads a session just opened, at 0)")
+        if len(layers) != len(s.cache):
+            raise InvalidRequest(f"K/V of {len(layers)} blocks for a worker running {len(s.cache)} ({self.layers})")
+        try:
+            for c, (k, v) in zip(s.cache, layers):
+                c.load_canonical(target, k, v)
+        except ValueError as exc:
+            s.broken = "a K/V import failed midway"
+            raise InvalidRequest(str(exc)) from None
+        return s.position
+
     def _check_input(self, s: _Session, work: ShardWork) -> None:
         caps = self._ready()
         if work.position != s.position:

@@ -31,9 +31,12 @@ from inference_engine.shard.protocol.status_codes import grpc_status_of
 from inference_engine.shard.protocol.types import ShardWork
 from inference_engine.shard.protocol.wire import (
     FrameHeader,
+    LayerKV,
     check,
     error_frame,
     frame_header,
+    kv_import_of,
+    kv_result,
     open_request,
     result_frame,
     work_of,
@@ -63,9 +66,10 @@ class _Admitted:
     """A work frame that passed admission, waiting for the executor."""
 
     header: FrameHeader  # epoch, deadline, step, kind
-    work: ShardWork | None  # chunk/decode payload; None for a trim or digest
-    position: int  # trim/digest: the session position the frame expects
+    work: ShardWork | None  # chunk/decode payload; None for a trim, digest or K/V frame
+    position: int  # trim/digest/K/V: the session position the frame expects
     trim_tokens: int  # trim: positions to drop
+    kv: tuple[int, LayerKV] | None = None  # kv_import: target position and per-block K/V
 
 
 class SessionStream:
@@ -207,7 +211,7 @@ class SessionStream:
         if kind == "cancel":
             self._on_cancel_signal(frame.cancel)
             return
-        if kind not in ("chunk", "decode", "trim", "digest"):
+        if kind not in ("chunk", "decode", "trim", "digest", "kv_export", "kv_import"):
             raise InvalidRequest(f"unexpected {kind or 'empty'} frame after SessionOpen")
         h = frame_header(frame)
         if h.epoch != self.epoch:
@@ -226,10 +230,11 @@ class SessionStream:
         work = work_of(frame) if kind in ("chunk", "decode") else None
         position = getattr(frame, kind).position
         trim_tokens = check("trim.tokens", frame.trim.tokens) if kind == "trim" else 0
+        kv = kv_import_of(frame) if kind == "kv_import" else None
         self.credits -= 1
         self._remember_step(h.step)
         self._queued.add(h.step)
-        self._inbox.put_nowait(_Admitted(h, work, position, trim_tokens))
+        self._inbox.put_nowait(_Admitted(h, work, position, trim_tokens, kv))
 
     def _on_cancel_signal(self, msg: pb.CancelSignal) -> None:
         if msg.route_epoch != self.epoch:
@@ -285,6 +290,14 @@ class SessionStream:
             digests = await self.thread.run(self.engine.layer_digests, self.key, position)
             result = pb.ShardStepResult(idempotency_step=step, position=position, next_position=position,
                                         layer_digests=digests)
+            return pb.ShardResponseFrame(result=result, flow=self._grant())
+        if kind == "kv_export":
+            layers = await self.thread.run(self.engine.export_kv, self.key, position)
+            return kv_result(step, position, layers, self._grant())
+        if kind == "kv_import":
+            target, layers = item.kv
+            new_position = await self.thread.run(self.engine.import_kv, self.key, position, target, layers)
+            result = pb.ShardStepResult(idempotency_step=step, position=position, next_position=new_position)
             return pb.ShardResponseFrame(result=result, flow=self._grant())
         fn = self.engine.decode if item.header.kind == "decode" else self.engine.prefill
         out = await self.thread.run(fn, self.key, item.work)

@@ -1,0 +1,203 @@
+"""`python -m inference_engine chat` and `generate`: a terminal client of a running server.
+
+Imports only grpc, protobuf and the generated stubs, so a client-only install (no MLX)
+runs it. The server address is --target, else $INFERENCE_ENGINE_ADDRESS, else
+127.0.0.1:50051.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Callable, TextIO
+
+import grpc
+
+from inference_engine.address import ADDRESS_ENV, DEFAULT_ADDRESS
+from inference_engine.client.client import GenerateSettings, RuntimeClient, ServerUnavailable
+from inference_engine.v1 import runtime_pb2 as pb
+
+COMMANDS = ("chat", "generate")
+MODES = {"plain": pb.DECODE_MODE_GREEDY, "lookup": pb.DECODE_MODE_SPECULATIVE_LOOKUP,
+         "draft": pb.DECODE_MODE_SPECULATIVE_DRAFT}
+CHAT_HELP = "/reset starts a new conversation, /quit (or Ctrl-D) leaves, Ctrl-C stops a reply"
+
+
+def _target_default() -> str:
+    import os
+
+    return os.environ.get(ADDRESS_ENV) or DEFAULT_ADDRESS
+
+
+def add_client_flags(parser: argparse.ArgumentParser) -> None:
+    """Flags shared by chat and generate: where the server is and how to generate."""
+    parser.add_argument("--target", default=_target_default(),
+                        help=f"server HOST:PORT (default ${ADDRESS_ENV}, else {DEFAULT_ADDRESS})")
+    parser.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to wait for the server")
+    parser.add_argument("--system", default=None, help="system message opening the conversation")
+    parser.add_argument("--max-new-tokens", type=int, default=0, help="tokens per reply (0 = server default)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-k", type=int, default=0, help="0 = off")
+    parser.add_argument("--top-p", type=float, default=0.0, help="0 = off")
+    parser.add_argument("--min-p", type=float, default=0.0, help="0 = off")
+    parser.add_argument("--repetition-penalty", type=float, default=0.0, help="0 = off")
+    parser.add_argument("--seed", type=int, default=None, help="sampling seed (default: the server picks one)")
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--mode", choices=sorted(MODES), default="plain", help="speculative decoding mode")
+    parser.add_argument("--stats", action="store_true", help="print usage (tokens, TTFT, tok/s) to stderr")
+
+
+def add_client_commands(sub: argparse._SubParsersAction) -> None:
+    """Register `chat` and `generate` on a subcommand parser."""
+    chat = sub.add_parser("chat", help="interactive multi-turn chat with a running server",
+                          description=f"Chat with a running server in one session ({CHAT_HELP}).")
+    add_client_flags(chat)
+    gen = sub.add_parser("generate", help="one-shot generation against a running server (for scripts)")
+    gen.add_argument("--prompt", required=True, help="the user message (or raw text with --raw)")
+    gen.add_argument("--raw", action="store_true", help="send the prompt as text, without the chat template")
+    gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    gen.add_argument("--logprobs", type=int, default=None, metavar="N",
+                     help="with --json: each token's logprob and N alternatives (0..20)")
+    gen.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
+    add_client_flags(gen)
+
+
+def settings_from_args(args: argparse.Namespace) -> GenerateSettings:
+    """The Generate fields the flags ask for."""
+    return GenerateSettings(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed, stop=tuple(args.stop),
+        top_logprobs=getattr(args, "logprobs", None), ignore_eos=getattr(args, "ignore_eos", False),
+        mode=MODES[args.mode],
+    )
+
+
+def _usage_line(last: pb.GenerateResponse) -> str:
+    u = last.usage
+    return (f"[{u.generated_tokens} tokens, {pb.StopReason.Name(last.stop_reason).removeprefix('STOP_REASON_')}, "
+            f"prompt {u.prompt_tokens}, TTFT {u.time_to_first_token_ms:.0f} ms, {u.tokens_per_second:.1f} tok/s, "
+            f"seed {last.seed}]")
+
+
+def stream_reply(stream, out: TextIO) -> pb.GenerateResponse:
+    """Print a Generate stream's text as it arrives; returns its last message."""
+    last = pb.GenerateResponse()
+    for msg in stream:
+        if msg.text:
+            out.write(msg.text)
+            out.flush()
+        last = msg
+    return last
+
+
+def run_generate(args: argparse.Namespace, client: RuntimeClient, out: TextIO, err: TextIO) -> int:
+    """One prompt, one reply, one session (closed afterwards)."""
+    settings = settings_from_args(args)
+    sid = client.create_session()
+    try:
+        if args.raw:
+            appended = client.append_text(sid, args.prompt)
+        else:
+            turn = ([("system", args.system)] if args.system else []) + [("user", args.prompt)]
+            appended = client.append_chat(sid, turn)
+        stream = client.generate(sid, settings)
+        if not args.json:
+            last = stream_reply(stream, out)
+            out.write("\n")
+        else:
+            msgs = list(stream)
+            last = msgs[-1]
+            result = {
+                "text": "".join(m.text for m in msgs),
+                "tokens": [t for m in msgs for t in m.tokens],
+                "stop_reason": pb.StopReason.Name(last.stop_reason).removeprefix("STOP_REASON_"),
+                "prompt_tokens": list(appended.tokens),
+                "history_length": last.history_length,
+                "seed": last.seed,
+                "usage": {f.name: getattr(last.usage, f.name) for f in last.usage.DESCRIPTOR.fields},
+            }
+            if settings.top_logprobs is not None:
+                result["logprobs"] = [{"token": lp.token, "logprob": lp.logprob,
+                                       "top": [{"token": a.token, "logprob": a.logprob} for a in lp.top]}
+                                      for m in msgs for lp in m.logprobs]
+            out.write(json.dumps(result, ensure_ascii=False) + "\n")
+        if args.stats:
+            err.write(_usage_line(last) + "\n")
+    finally:
+        client.close_session(sid)
+    return 0
+
+
+def run_chat(args: argparse.Namespace, client: RuntimeClient, info: pb.GetModelInfoResponse, out: TextIO,
+             err: TextIO, read: Callable[[str], str]) -> int:
+    """The interactive loop: one session, each line a user turn, replies streamed."""
+    settings = settings_from_args(args)
+    sampling = "greedy" if settings.temperature == 0 else f"temperature {settings.temperature:g}"
+    err.write(f"connected to {client.target}: {info.model_name}, {sampling}; {CHAT_HELP}\n")
+    sid, opened = client.create_session(), False
+    try:
+        while True:
+            try:
+                line = read("> ")
+            except EOFError:
+                out.write("\n")
+                return 0
+            text = line.strip()
+            if not text:
+                continue
+            if text in ("/quit", "/exit"):
+                return 0
+            if text == "/reset":
+                client.close_session(sid)
+                sid, opened = client.create_session(), False
+                err.write("[new conversation]\n")
+                continue
+            turn = ([("system", args.system)] if args.system and not opened else []) + [("user", text)]
+            try:
+                client.append_chat(sid, turn)
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.NOT_FOUND:
+                    raise
+                err.write("[the session expired on the server; starting a new conversation]\n")
+                sid = client.create_session()
+                client.append_chat(sid, ([("system", args.system)] if args.system else []) + [("user", text)])
+            opened = True
+            stream = client.generate(sid, settings)
+            try:
+                last = stream_reply(stream, out)
+            except KeyboardInterrupt:
+                stream.cancel()
+                out.write("\n")
+                err.write("[stopped]\n")
+                continue
+            out.write("\n")
+            if args.stats:
+                err.write(_usage_line(last) + "\n")
+    except KeyboardInterrupt:
+        out.write("\n")
+        return 0
+    finally:
+        client.close_session(sid)
+
+
+def main(argv: list[str], out: TextIO = sys.stdout, err: TextIO = sys.stderr,
+         read: Callable[[str], str] = input) -> int:
+    """Run `chat` or `generate` (argv starts with the command); returns the exit status."""
+    parser = argparse.ArgumentParser(prog="python -m inference_engine")
+    add_client_commands(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    client = RuntimeClient(args.target, args.connect_timeout)
+    try:
+        info = client.connect()
+        if args.command == "generate":
+            return run_generate(args, client, out, err)
+        return run_chat(args, client, info, out, err, read)
+    except ServerUnavailable as exc:
+        err.write(f"error: {exc}\n")
+        return 1
+    except grpc.RpcError as exc:
+        err.write(f"error: {exc.code().name}: {exc.details()}\n")
+        return 1
+    finally:
+        client.close()

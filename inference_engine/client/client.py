@@ -1,0 +1,106 @@
+"""A small synchronous RuntimeService client for the CLI (imports grpc, protobuf and the stubs only)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import grpc
+
+from inference_engine.v1 import runtime_pb2 as pb
+from inference_engine.v1 import runtime_pb2_grpc as pb_grpc
+
+RPC_TIMEOUT_S = 60.0  # unary calls; a Generate stream has no deadline (it may be long)
+
+
+class ServerUnavailable(Exception):
+    """No server answered at the target address."""
+
+
+@dataclass(frozen=True)
+class GenerateSettings:
+    """The Generate fields the CLI sets (0 / None keep the server's meaning: default or off)."""
+
+    max_new_tokens: int = 0  # 0 = the server default
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = all tokens
+    top_p: float = 0.0  # 0 = all tokens
+    min_p: float = 0.0  # 0 = all tokens
+    repetition_penalty: float = 0.0  # 0 = none
+    seed: int | None = None  # None = the server picks one (reported on the last message)
+    stop: tuple[str, ...] = ()  # stop strings
+    top_logprobs: int | None = None  # None = no logprobs; N = logprobs with N alternatives
+    ignore_eos: bool = False  # keep going past EOS
+    mode: int = pb.DECODE_MODE_GREEDY  # plain decoding or a speculative mode
+
+    def request(self, session_id: str) -> pb.GenerateRequest:
+        """The GenerateRequest for a session."""
+        req = pb.GenerateRequest(
+            session_id=session_id, max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+            top_k=self.top_k, top_p=self.top_p, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+            stop=self.stop, ignore_eos=self.ignore_eos, mode=self.mode,
+            logprobs=self.top_logprobs is not None, top_logprobs=self.top_logprobs or 0,
+        )
+        if self.seed is not None:
+            req.seed = self.seed
+        return req
+
+
+class RuntimeClient:
+    """One channel to a server; sessions, appends and streamed generation."""
+
+    def __init__(self, target: str, connect_timeout_s: float = 5.0):
+        """
+        Args:
+            target: HOST:PORT of the server.
+            connect_timeout_s: how long `connect` waits for the server to answer.
+        """
+        self.target = target
+        self.connect_timeout_s = connect_timeout_s
+        self.channel = grpc.insecure_channel(target)
+        self.stub = pb_grpc.RuntimeServiceStub(self.channel)
+
+    def connect(self) -> pb.GetModelInfoResponse:
+        """Wait for the server and describe its model.
+
+        Raises:
+            ServerUnavailable: nothing answered within the timeout.
+        """
+        try:
+            grpc.channel_ready_future(self.channel).result(timeout=self.connect_timeout_s)
+        except grpc.FutureTimeoutError:
+            raise ServerUnavailable(
+                f"no server answers at {self.target} (waited {self.connect_timeout_s:g} s); start one with "
+                "`python -m inference_engine serve`, or pass --target HOST:PORT / set INFERENCE_ENGINE_ADDRESS"
+            ) from None
+        return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=RPC_TIMEOUT_S)
+
+    def create_session(self) -> str:
+        """A new session's id."""
+        return self.stub.CreateSession(pb.CreateSessionRequest(client_label="cli"), timeout=RPC_TIMEOUT_S).session_id
+
+    def append_chat(self, session_id: str, messages: list[tuple[str, str]]) -> pb.AppendTokensResponse:
+        """Append chat turn(s) (role, content) ending with the assistant's header."""
+        req = pb.AppendTokensRequest(session_id=session_id, add_generation_prompt=True,
+                                     messages=[pb.ChatMessage(role=r, content=c) for r, c in messages])
+        return self.stub.AppendTokens(req, timeout=RPC_TIMEOUT_S)
+
+    def append_text(self, session_id: str, text: str) -> pb.AppendTokensResponse:
+        """Append text as it is (no template)."""
+        return self.stub.AppendTokens(pb.AppendTokensRequest(session_id=session_id, text=text), timeout=RPC_TIMEOUT_S)
+
+    def generate(self, session_id: str, settings: GenerateSettings) -> Iterator[pb.GenerateResponse]:
+        """The Generate stream (cancel it with `.cancel()`)."""
+        return self.stub.Generate(settings.request(session_id))
+
+    def close_session(self, session_id: str) -> None:
+        """Close a session; an already-gone session is fine."""
+        try:
+            self.stub.CloseSession(pb.CloseSessionRequest(session_id=session_id), timeout=RPC_TIMEOUT_S)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.NOT_FOUND:
+                raise
+
+    def close(self) -> None:
+        """Close the channel."""
+        self.channel.close()

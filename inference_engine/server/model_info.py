@@ -1,0 +1,58 @@
+"""What GetModelInfo reports: the served model, its tokenizer and the server's limits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from inference_engine.blas import active_blas
+from inference_engine.config import ServerConfig
+from inference_engine.decoding.logprobs import MAX_TOP_LOGPROBS
+from inference_engine.runtime.engine import Engine
+from inference_engine.text.codec import TextCodec
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The served model and what a session may ask of it."""
+
+    model_name: str  # the model folder's name (packaged: its name and form)
+    vocab_size: int  # token ids are below it
+    eos_token_ids: tuple[int, ...]  # the model's EOS ids (a session's default)
+    bos_token_id: int | None  # the tokenizer's BOS id, if any
+    has_tokenizer: bool  # text, messages, stop strings, Tokenize/Detokenize are servable
+    has_chat_template: bool  # messages are servable
+    is_exact: bool  # the probed bit-exact path
+    block_size: int  # rows per forward block
+    kernels: str  # BLAS (and interposer) the server computes with
+    model_fingerprint: str  # hex SHA-256 of the model's shape and first embedding rows
+    has_draft_model: bool  # SPECULATIVE_DRAFT is servable
+    default_sink: int  # sink tokens of a session that asks for 0
+    max_sink: int  # largest sink
+    default_window: int  # window tokens of a session that asks for 0
+    max_window: int  # largest window
+    default_new_tokens: int  # max_new_tokens of a Generate that asks for 0
+    max_new_tokens: int  # largest max_new_tokens
+    max_tokens_per_request: int  # tokens one AppendTokens may append
+    max_draft_tokens: int  # largest num_draft_tokens
+    max_top_logprobs: int  # largest top_logprobs
+    max_sessions: int  # sessions in the pool
+
+
+def describe_model(engine: Engine, cfg: ServerConfig, codec: TextCodec | None) -> ModelInfo:
+    """The ModelInfo of a server (call once at start-up: it reads the embedding rows)."""
+    from inference_engine.model.loader import model_fingerprint  # the same fingerprint shard workers report
+
+    spec = engine.spec
+    name = spec.name  # the model folder's name; packaged models live in <cache>/<name>/{fp32,q4}
+    if cfg.model.startswith("packaged:") and name in ("fp32", "q4"):
+        name = f"{cfg.model.removeprefix('packaged:')} ({name})"
+    return ModelInfo(
+        model_name=name, vocab_size=spec.vocab_size, eos_token_ids=spec.eos_token_ids,
+        bos_token_id=codec.bos_token_id if codec else None, has_tokenizer=codec is not None,
+        has_chat_template=bool(codec and codec.has_chat_template), is_exact=engine.is_exact,
+        block_size=engine.block, kernels=active_blas(), model_fingerprint=model_fingerprint(engine.loaded.model),
+        has_draft_model=engine.has_draft_model, default_sink=cfg.default_sink, max_sink=cfg.max_sink,
+        default_window=cfg.default_window, max_window=cfg.max_window, default_new_tokens=cfg.default_new_tokens,
+        max_new_tokens=cfg.max_new_tokens, max_tokens_per_request=cfg.max_tokens_per_request,
+        max_draft_tokens=cfg.max_rollback, max_top_logprobs=MAX_TOP_LOGPROBS, max_sessions=cfg.max_sessions,
+    )

@@ -1,0 +1,80 @@
+"""RuntimeService's session-transfer RPCs (SnapshotSession, RestoreSession, ForkSession) on the servicer.
+
+A subclass, so the core servicer stays as it is: protobuf in, the frozen dataclasses of
+`runtime/session_transfer.py` down, errors mapped once by the same `_mapped`. Snapshots
+travel in chunks of SNAPSHOT_CHUNK_BYTES (a snapshot at the default window is ~47 MB,
+far over gRPC's 4 MiB message limit).
+"""
+
+from __future__ import annotations
+
+from typing import AsyncIterator
+
+import grpc
+
+from inference_engine.errors import InvalidRequest
+from inference_engine.runtime.runtime import Runtime
+from inference_engine.runtime.session_transfer import RestoreParams, SessionTransfer, SnapshotParams
+from inference_engine.server import call_record
+from inference_engine.server.servicer import RuntimeServicer, _mapped
+from inference_engine.v1 import runtime_pb2 as pb
+
+SNAPSHOT_CHUNK_BYTES = 1 << 20  # bytes per SnapshotSessionResponse.data
+
+
+class TransferServicer(RuntimeServicer):
+    """RuntimeServicer plus SnapshotSession, RestoreSession and ForkSession."""
+
+    def attach(self, runtime: Runtime) -> None:
+        """Start serving calls with `runtime` (and its session transfers)."""
+        self.transfer = SessionTransfer(runtime)
+        super().attach(runtime)
+
+    @_mapped
+    async def SnapshotSession(self, request: pb.SnapshotSessionRequest, context: grpc.aio.ServicerContext,
+                              owner: str) -> None:
+        call_record.current().session_id = request.session_id
+        params = SnapshotParams(self.validate.session_id(request.session_id), request.to_dir, owner)
+        taken = await self.transfer.snapshot(params)
+        first = pb.SnapshotSessionResponse(file=taken.file, snapshot_bytes=taken.size,
+                                           history_length=taken.history_length, state_digest=taken.state_digest)
+        view = memoryview(taken.data)
+        for offset in range(0, len(view), SNAPSHOT_CHUNK_BYTES) if view else [0]:
+            first.data = bytes(view[offset : offset + SNAPSHOT_CHUNK_BYTES])
+            await context.write(first)
+            first = pb.SnapshotSessionResponse()
+
+    @_mapped
+    async def RestoreSession(self, request: AsyncIterator[pb.RestoreSessionRequest],
+                             context: grpc.aio.ServicerContext, owner: str) -> pb.RestoreSessionResponse:
+        limit = self.runtime.config.max_snapshot_bytes
+        chunks: list[bytes] = []
+        size, files, messages = 0, [], 0
+        async for message in request:
+            messages += 1
+            if message.file:
+                files.append(message.file)
+            size += len(message.data)
+            if size > limit:
+                raise InvalidRequest(f"RestoreSessionRequest.data carries more than {limit} bytes; allowed up to "
+                                     f"{limit} (--max-snapshot-bytes)", "data")
+            chunks.append(message.data)
+        if files and (messages > 1 or size):
+            raise InvalidRequest("RestoreSessionRequest.file must come alone: one message naming the file, "
+                                 "without data", "file")
+        if not files and not size:
+            raise InvalidRequest("RestoreSession needs the snapshot: its bytes in RestoreSessionRequest.data, "
+                                 "or one message with RestoreSessionRequest.file", "data")
+        restored = await self.transfer.restore(RestoreParams(b"".join(chunks), files[0] if files else "", owner))
+        call_record.current().session_id = restored.session_id
+        return pb.RestoreSessionResponse(session_id=restored.session_id, history_length=restored.history_length,
+                                         state_digest=restored.state_digest, sink_tokens=restored.sink,
+                                         window_tokens=restored.window)
+
+    @_mapped
+    async def ForkSession(self, request: pb.ForkSessionRequest, context: grpc.aio.ServicerContext,
+                          owner: str) -> pb.ForkSessionResponse:
+        call_record.current().session_id = request.session_id
+        forked = await self.transfer.fork(self.validate.session_id(request.session_id), owner)
+        return pb.ForkSessionResponse(session_id=forked.session_id, history_length=forked.history_length,
+                                      state_digest=forked.state_digest)

@@ -1,0 +1,91 @@
+"""Text <-> token ids with the model's own tokenizer, and its chat template.
+
+Everything goes through the tokenizer the model was loaded with (`LoadedModel.tokenizer`,
+a transformers tokenizer over a `tokenizers.Tokenizer`): encoding and decoding use the
+`tokenizers` backend, the same one `tokenizers.decoders.DecodeStream` streams with, so
+streamed text and Detokenize agree; the chat template is the tokenizer's own (jinja).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from inference_engine.errors import FeatureUnavailable, InvalidRequest
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    """One message of a conversation."""
+
+    role: str  # "system", "user", "assistant", ... as the chat template knows them
+    content: str  # the message text
+
+
+class TextCodec:
+    """The model's tokenizer: encode, decode and render chats (thread-safe, no MLX)."""
+
+    def __init__(self, tokenizer: Any):
+        """
+        Args:
+            tokenizer: a transformers fast tokenizer (`LoadedModel.tokenizer`).
+        """
+        self.hf = tokenizer
+        self.backend = tokenizer.backend_tokenizer  # tokenizers.Tokenizer
+
+    @property
+    def has_chat_template(self) -> bool:
+        """The tokenizer ships a chat template (messages input is servable)."""
+        return bool(getattr(self.hf, "chat_template", None))
+
+    @property
+    def bos_token_id(self) -> int | None:
+        """The beginning-of-sequence id, if the tokenizer has one."""
+        bos = getattr(self.hf, "bos_token_id", None)
+        return None if bos is None else int(bos)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`; special-token strings in it (e.g. `<|im_start|>`) become their ids.
+
+        Args:
+            add_special_tokens: also add what the tokenizer adds around a sequence (e.g. a BOS).
+        """
+        return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, tokens: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """Text of `tokens` (special tokens as their text unless skipped)."""
+        return self.backend.decode(list(tokens), skip_special_tokens=skip_special_tokens)
+
+    def render(self, messages: Sequence[ChatMessage], add_generation_prompt: bool) -> str:
+        """The chat template applied to `messages`, as text.
+
+        Raises:
+            FeatureUnavailable: the tokenizer has no chat template.
+            InvalidRequest: the template refused the messages (its own message says why).
+        """
+        if not self.has_chat_template:
+            raise FeatureUnavailable(
+                "the model's tokenizer has no chat template: send text or tokens instead of messages")
+        conversation = [{"role": m.role, "content": m.content} for m in messages]
+        try:
+            return self.hf.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+        except Exception as exc:  # noqa: BLE001 - jinja's errors (raise_exception, undefined) are the client's
+            raise InvalidRequest(f"the chat template refused these messages: {type(exc).__name__}: {exc}") from exc
+
+
+def text_codec(tokenizer: Any | None) -> TextCodec | None:
+    """The codec of a loaded model's tokenizer; None when the model has none (random test models)."""
+    return None if tokenizer is None else TextCodec(tokenizer)
+
+
+def require(codec: TextCodec | None) -> TextCodec:
+    """The codec, or the error a text request gets on a model without a tokenizer.
+
+    Raises:
+        FeatureUnavailable: no tokenizer.
+    """
+    if codec is None:
+        raise FeatureUnavailable("the served model has no tokenizer: send token ids (text, messages, stop strings "
+                                 "and Tokenize/Detokenize need one)")
+    return codec

@@ -1,0 +1,148 @@
+"""The client CLI (`chat`, `generate`) and the packaging that lets a client install only grpc + protobuf."""
+
+import asyncio
+import contextlib
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from inference_engine.client import cli
+from inference_engine.runtime.runtime import Runtime
+from inference_engine.server.server import start_server
+from tests.conftest import make_config
+
+REPO = Path(__file__).resolve().parents[1]
+SERVER_ONLY = ("mlx", "mlx.core", "mlx_lm", "numpy", "transformers", "tokenizers", "gguf", "crc32c")
+# Runs `python -m inference_engine ARGS` with the server's packages made unimportable.
+CLIENT_ONLY = (
+    "import runpy, sys\n"
+    f"for m in {SERVER_ONLY!r}: sys.modules[m] = None\n"
+    "sys.argv = ['inference_engine', *sys.argv[1:]]\n"
+    "runpy.run_module('inference_engine', run_name='__main__')\n"
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _client_only(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", CLIENT_ONLY, *args], capture_output=True, text=True, cwd=REPO,
+                          timeout=60)
+
+
+def test_client_commands_need_only_grpc_and_protobuf():
+    port = _free_port()  # nothing listens there
+    for command in ("generate --prompt hi", "chat"):
+        out = _client_only(*command.split(), "--target", f"127.0.0.1:{port}", "--connect-timeout", "0.2")
+        assert out.returncode == 1 and f"error: no server answers at 127.0.0.1:{port}" in out.stderr, out.stderr
+        assert "python -m inference_engine serve" in out.stderr
+    helped = _client_only("--help")
+    assert helped.returncode == 0 and "chat" in helped.stdout and "needs the server install" in helped.stdout
+    served = _client_only("serve")
+    assert served.returncode == 2 and "pip install 'inference_engine[server]'" in served.stderr
+
+
+def test_package_declares_client_dependencies_extras_and_console_script(tmp_path):
+    meta = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert sorted(d.split(">")[0] for d in meta["dependencies"]) == ["grpcio", "protobuf"]
+    server = " ".join(meta["optional-dependencies"]["server"])
+    assert all(name in server for name in ("mlx", "mlx-lm", "tokenizers", "transformers", "numpy", "gguf"))
+    assert meta["scripts"]["inference-engine"] == "inference_engine.__main__:cli"
+    src = tmp_path / "src"  # build from a copy: setuptools writes build/ and *.egg-info next to the sources
+    for path in ["pyproject.toml", "README.md", *map(str, (REPO / "inference_engine").rglob("*"))]:
+        rel = Path(path).relative_to(REPO) if Path(path).is_absolute() else Path(path)
+        if (REPO / rel).is_file() and "__pycache__" not in rel.parts:
+            (src / rel).parent.mkdir(parents=True, exist_ok=True)
+            (src / rel).write_bytes((REPO / rel).read_bytes())
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COVERAGE")}  # the build would measure the copy
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(tmp_path / "out"), str(src)], check=True, capture_output=True, timeout=300, env=env)
+    wheel = zipfile.ZipFile(next((tmp_path / "out").glob("inference_engine-*.whl")))
+    names = set(wheel.namelist())
+    assert {"inference_engine/client/cli.py", "inference_engine/native/row_gemv.c",
+            "inference_engine/v1/runtime_pb2.py"} <= names
+    info = next(n for n in names if n.endswith(".dist-info/METADATA"))
+    requires = [line for line in wheel.read(info).decode().splitlines() if line.startswith("Requires-Dist:")]
+    assert sorted(r for r in requires if "extra ==" not in r) == [
+        "Requires-Dist: grpcio<2,>=1.85.1", "Requires-Dist: protobuf<8,>=7.35.1"]
+    entry = next(n for n in names if n.endswith("entry_points.txt"))
+    assert "inference-engine = inference_engine.__main__:cli" in wheel.read(entry).decode()
+
+
+@contextlib.asynccontextmanager
+async def _server(engine, **overrides):
+    runtime = Runtime(engine, make_config(**overrides))
+    server, port = await start_server(runtime, "127.0.0.1", 0)
+    try:
+        yield f"127.0.0.1:{port}", runtime
+    finally:
+        await server.stop(0.5)
+        await runtime.stop()
+
+
+async def _cli(*argv: str, lines: list[str] = ()) -> tuple[int, str, str]:
+    """Run the CLI on a thread (the server shares this event loop); `lines` are what the user types."""
+    out, err, typed = io.StringIO(), io.StringIO(), iter(lines)
+
+    def read(prompt: str) -> str:
+        out.write(prompt)
+        line = next(typed, None)
+        if line is None:
+            raise EOFError
+        if callable(line):
+            return line()
+        return line
+
+    rc = await asyncio.to_thread(cli.main, list(argv), out, err, read)
+    return rc, out.getvalue(), err.getvalue()
+
+
+@pytest.mark.real_model
+async def test_generate_and_chat_against_a_server(real_engine):
+    async with _server(real_engine, default_window=256) as (target, runtime):
+        rc, out, err = await _cli("generate", "--target", target, "--prompt", "What is the capital of France?",
+                                  "--json", "--logprobs", "2", "--max-new-tokens", "12")
+        result = json.loads(out)
+        assert rc == 0 and "Paris" in result["text"] and len(result["tokens"]) <= 12
+        assert result["stop_reason"] in ("EOS", "MAX_TOKENS")
+        assert result["usage"]["generated_tokens"] == len(result["tokens"])
+        assert [lp["token"] for lp in result["logprobs"]] == result["tokens"]
+        assert len(result["logprobs"][0]["top"]) == 2
+        assert result["history_length"] == len(result["prompt_tokens"]) + len(result["tokens"])
+        rc, out, err = await _cli("generate", "--target", target, "--prompt", "The capital of France is", "--raw",
+                                  "--stop", " is", "--max-new-tokens", "8", "--stats", "--temperature", "0.5",
+                                  "--seed", "3")
+        assert rc == 0 and out.endswith("\n") and " is" not in out and "STOP_STRING" in err and "seed 3" in err
+        rc, out, err = await _cli("generate", "--target", target, "--prompt", "hi", "--temperature", "200")
+        assert rc == 1 and "error: INVALID_ARGUMENT: GenerateRequest.temperature = 200.0" in err
+        rc, out, err = await _cli("chat", "--target", target, "--max-new-tokens", "16", "--system", "Be brief.",
+                                  lines=["What is the capital of France?", "", "/reset", "And of Italy?", "/quit"])
+        assert rc == 0 and "Paris" in out and "[new conversation]" in err and "connected to" in err
+        assert out.count("> ") == 5 and runtime.store.slabs_in_use == 0  # every session closed
+
+        def ctrl_c() -> str:
+            raise KeyboardInterrupt
+
+        rc, out, err = await _cli("chat", "--target", target, lines=[ctrl_c])  # Ctrl-C at the prompt leaves
+        assert rc == 0 and runtime.store.slabs_in_use == 0
+    async with _server(real_engine, default_window=256, session_ttl_s=0.3) as (target, runtime):
+        def later() -> str:
+            import time
+
+            time.sleep(1.0)  # the server expires the idle session meanwhile
+            return "And of Italy?"
+
+        rc, out, err = await _cli("chat", "--target", target, "--max-new-tokens", "6", "--stats",
+                                  lines=["What is the capital of France?", later])
+        assert rc == 0 and "session expired" in err and err.count("tokens, ") == 2

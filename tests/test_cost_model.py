@@ -1,0 +1,26 @@
+"""The scheduler's cost model: bucketed moving averages, interpolation, the append budget."""
+
+from inference_engine.runtime.cost_model import CostModel
+
+
+def test_buckets_interpolate_and_extrapolate():
+    m = CostModel(48)
+    assert m.buckets == [1, 2, 4, 8, 16, 32, 48]
+    assert m.estimate(3) is None
+    m.observe(1, 0.010)
+    assert m.estimate(1) == 0.010 and m.estimate(4) == 0.040  # unseen above: every row as dear as the known ones
+    m.observe(7, 0.016)  # bucket 8
+    assert abs(m.estimate(4) - 0.010 - 3 / 7 * 0.006) < 1e-12 and abs(m.estimate(16) - 0.032) < 1e-12
+    m.observe(8, 0.026)  # moving average: 0.8 * 0.016 + 0.2 * 0.026
+    assert abs(m.estimate(8) - 0.018) < 1e-12
+
+
+def test_append_budget_keeps_the_stream_gap_within_the_slack():
+    m = CostModel(64)
+    assert m.append_budget(1, 63, 2.0, fallback=16) == 16  # nothing learnt yet
+    for rows, seconds in ((1, 0.02), (2, 0.021), (4, 0.022), (8, 0.03), (16, 0.045), (32, 0.08), (64, 0.16)):
+        m.observe(rows, seconds)
+    budget = m.append_budget(1, 63, 2.0, fallback=16)
+    assert m.estimate(1 + budget) <= 0.04 < m.estimate(2 + budget) and budget >= 8
+    assert m.append_budget(7, 57, 2.0, fallback=16) > budget  # more streams: a longer forward is allowed
+    assert m.append_budget(1, 1, 2.0, fallback=16) == 1  # an append always progresses
