@@ -92,7 +92,8 @@ def kernel_library(kernel: str, cache_dir: Path | None = None) -> str | None:
 
         cache_dir = default_cache_dir()
     source = _NATIVE / f"{spec.name}.c"
-    digest = hashlib.sha256(source.read_bytes() + " ".join(spec.flags).encode()).hexdigest()[:12]
+    headers = b"".join(h.read_bytes() for h in sorted(_NATIVE.glob("*.h")))  # what the sources include
+    digest = hashlib.sha256(source.read_bytes() + headers + " ".join(spec.flags).encode()).hexdigest()[:12]
     target = cache_dir / "native" / f"{spec.name}-{digest}.so"
     if target.is_file():
         return str(target)
@@ -158,6 +159,11 @@ def active_blas() -> str:
         return f"reference: {', '.join(libs) or 'bundled'}"
     front = next(filter(None, map(_preloaded_version, INTERPOSERS.values())), "")
     return f"openblas: {openblas[0]}" + (f" + {front}" if front else "")
+
+
+def is_preloaded(kernel: str) -> bool:
+    """The interposer `kernel` is preloaded in this process (its symbols are in the global scope)."""
+    return kernel in INTERPOSERS and _preloaded_version(INTERPOSERS[kernel]) is not None
 
 
 def _preloaded_version(spec: Interposer) -> str | None:

@@ -34,6 +34,7 @@ class ServerConfig:
     host: str = "127.0.0.1"  # address to bind
     port: int = 50051  # 0 picks a free port
     model: str = DEFAULT_MODEL  # packaged model name or mlx-lm folder
+    weights: str = "q4_1"  # q4_1: the GGUF's blocks through the exact q4 kernel; fp32: the converted folder (same bits)
     draft_model: str | None = DRAFT_MODEL  # draft model for SPECULATIVE_DRAFT; None = no draft model
     cache_dir: Path = field(default_factory=default_cache_dir)  # converted-model cache
     max_sessions: int = 8  # KV slabs in the pool
@@ -75,6 +76,7 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default=host, help="default from $INFERENCE_ENGINE_ADDRESS, else %(default)s")
     parser.add_argument("--port", type=int, default=port, help="0 = pick a free port (default %(default)s)")
     parser.add_argument("--model", default=d.model, help="packaged model name or an mlx-lm folder")
+    add_weights_flag(parser, d.weights)
     parser.add_argument(
         "--draft-model", default=None,
         help="draft model for SPECULATIVE_DRAFT (packaged name or folder, 'none' to disable); "
@@ -127,6 +129,14 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
                         help="seconds between writes of sessions with unwritten calls (0 = only after calls)")
 
 
+def add_weights_flag(parser: argparse.ArgumentParser, default: str) -> None:
+    """--weights fp32|q4_1 (server and shard worker alike)."""
+    parser.add_argument("--weights", choices=("q4_1", "fp32"), default=default,
+                        help="q4_1: stream the packaged GGUF's Q4_1/Q8_0 blocks through the exact q4 kernel (bitwise "
+                        "the fp32 logits; fp32 is served, and logged, where the kernel is unavailable); fp32: the "
+                        "converted fp32 weights")
+
+
 def _draft_choice(flag: str | None, model: str) -> str | None:
     if flag is None:
         return DRAFT_MODEL if model == DEFAULT_MODEL else None
@@ -146,7 +156,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         OSError: the --shard-token-file cannot be read.
     """
     cfg = ServerConfig(
-        host=args.host, port=args.port, model=args.model, cache_dir=default_cache_dir(),
+        host=args.host, port=args.port, model=args.model, weights=args.weights, cache_dir=default_cache_dir(),
         draft_model=_draft_choice(args.draft_model, args.model),
         max_sessions=args.max_sessions, max_kv_bytes=args.max_kv_bytes, default_sink=args.default_sink, default_window=args.default_window,
         max_sink=args.max_sink, max_window=args.max_window, max_rollback=args.max_rollback,

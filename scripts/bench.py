@@ -9,9 +9,11 @@ a median over several repetitions with min and max:
 - decode tok/s: greedy, `new_tokens` tokens after a short chat prompt, counted from the
   first generated token to the last ((N - 1) tokens over that time), so prefill is
   excluded. Engines: `server` (a real `python -m inference_engine serve` subprocess over
-  gRPC, Generate with ignore_eos), `in_process` (the same Runtime driven directly, no
-  gRPC), `mlx_lm` (`stream_generate` on the same fp32 folder, EOS disabled) and
-  `llama_cpp` (llama-cpp-python on the Q4_1 GGUF the fp32 folder was converted from).
+  gRPC with its default `--weights q4_1`, Generate with ignore_eos), `server_fp32` (the
+  same with `--weights fp32`: the same bits from 5.5x the bytes), `in_process` (the
+  server's Runtime driven directly, no gRPC), `mlx_lm` (`stream_generate` on the same fp32
+  folder, EOS disabled) and `llama_cpp` (llama-cpp-python on the Q4_1 GGUF the fp32 folder
+  was converted from).
 - prefill tok/s: a `prefill_tokens`-token prompt into an empty context, until the
   next-token logits exist (server: one AppendTokens RPC on a fresh session).
 - TTFT ms: from sending the short prompt to receiving the first generated token.
@@ -19,14 +21,18 @@ a median over several repetitions with min and max:
   the gRPC stream costs per token.
 - AppendTokens ms: 16 tokens appended at a short history and at a long one that has
   wrapped the sink-window; the cached key set has a fixed size, so these should match.
-- server RSS MiB: VmRSS of the server process idle, with 1 and with 8 open sessions.
+- server RSS MiB: VmRSS of the server process idle, with 1 and with 8 open sessions
+  (`server_rss`), and of the fp32 server (`server_rss_fp32`).
 - session snapshots (benchkit/snapshots.py): snapshot and restore time and bytes at the plan's
   window against replaying the history; restart-to-serving with 8 persisted sessions.
 - the limit: streaming-read bandwidth (numpy sum over a buffer far larger than the
   caches, best of several, 1 and all threads) divided by the weight bytes one decoded
   token must read (every parameter once; the tied embedding is read whole by the LM
   head). Each decode figure is shown as a fraction of the limit of the weights it reads
-  (fp32 for the MLX engines, the GGUF's Q4_1 tensors for llama.cpp).
+  (the GGUF's Q4_1/Q8_0 tensors for llama.cpp and q4_1 engines, fp32 for the others).
+- q4_1 targets (`q4_1`): single-session decode over llama.cpp's, the 8-session aggregate
+  over llama.cpp's single stream, prefill over the fp32 server's, idle RSS over the fp32
+  server's, and whether the q4_1 and fp32 servers decoded the same tokens.
 
 Usage: scripts/bench.py [--quick] [--out FILE]. The full run writes
 results/bench/<YYYY-MM-DD>-<host>.json; --quick is a seconds-long subset for CI.
@@ -53,10 +59,10 @@ from benchkit.core import (  # noqa: E402
     ROOT,
     Contender,
     EngineResult,
-    gguf_weight_bytes,
     load_prompts,
     memory_bandwidth,
     run_interleaved,
+    weight_bytes,
 )
 from benchkit.engines import (  # noqa: E402
     measure_append_latency,
@@ -67,7 +73,7 @@ from benchkit.engines import (  # noqa: E402
     start_mlx_lm,
     start_server,
 )
-from benchkit.report import build_report, fmt, print_table  # noqa: E402
+from benchkit.report import build_report, fmt, print_table, q4_1_targets  # noqa: E402
 from benchkit.snapshots import measure_snapshots, print_snapshots, snapshots_report  # noqa: E402
 
 from inference_engine.blas import reexec_with_openblas  # noqa: E402
@@ -110,15 +116,16 @@ def main(argv: list[str] | None = None) -> int:
     phase("memory bandwidth")
     bandwidth = memory_bandwidth(plan.bandwidth_bytes, reps=2 if args.quick else 5)
     with ExitStack() as stack:
-        phase("server: start, RSS, AppendTokens latency")
+        phase("servers (q4_1, fp32): start, RSS, AppendTokens latency")
         contenders: dict[str, Contender] = {}
         server, contenders["server"] = start_server(plan, prompts, stack)
-        rss = measure_rss(server, plan, prompts)
+        server_fp32, contenders["server_fp32"] = start_server(plan, prompts, stack, weights="fp32")
+        rss, rss_fp32 = measure_rss(server, plan, prompts), measure_rss(server_fp32, plan, prompts)
         append = measure_append_latency(server, plan, prompts)
         phase(f"server: {plan.sessions} sessions at once, TTFT under load, head-of-line, prompt lookup")
         concurrency = measure_concurrency(server, prompts, plan)
         phase("load in-process runtime, mlx_lm, llama.cpp")
-        contenders["in_process"], fp32_bytes = start_in_process(plan, prompts, model_dir, stack)
+        contenders["in_process"] = start_in_process(plan, prompts, stack)
         contenders["mlx_lm"] = start_mlx_lm(plan, prompts, model_dir)
         llama = start_llama_cpp(plan, prompts, gguf, stack)
         if isinstance(llama, Contender):
@@ -128,15 +135,16 @@ def main(argv: list[str] | None = None) -> int:
     if isinstance(llama, str):
         results["llama_cpp"] = EngineResult(False, llama)
     results["in_process"].extra["sample_text"] = prompts.tokenizer.decode(results["in_process"].decode[0].tokens)[:200]
-    weights = {"fp32": fp32_bytes, "gguf": gguf_weight_bytes(gguf)}
-    report = build_report(plan, args.quick, model_dir, gguf, bandwidth, weights, results, append, rss,
+    report = build_report(plan, args.quick, model_dir, gguf, bandwidth, weight_bytes(gguf), results, append, rss,
                           args.llama_cpp_build_s)
+    report["server_rss_fp32"] = rss_fp32
     report["concurrency"] = concurrency
+    report["q4_1"] = q4_1_targets(report)
     phase("session snapshots: snapshot, restore, fork vs replay; restart with 8 persisted sessions")
     report["snapshots"] = measure_snapshots(plan, prompts)
     if args.pipeline:
         phase("shard pipeline: 3 workers vs single process")
-        report["pipeline"] = measure_pipeline(plan, prompts, model_dir)
+        report["pipeline"] = measure_pipeline(plan, prompts)
     report["meta"].update(bench_wall_s=time.perf_counter() - t0, load_average_at_start=load_at_start)
 
     out = args.out or ROOT / "results" / "bench" / f"{report['meta']['date']}-{report['meta']['host']}.json"
@@ -149,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
           f" {c['ttft']['loaded_over_idle']:.2f}x idle; longest gap while another session appends"
           f" {c['head_of_line']['append_tokens']} tokens: {c['head_of_line']['max_over_idle']:.2f}x the idle gap;"
           f" prompt lookup K=4 on a copy-back prompt: {c['lookup']['lookup_over_greedy']:.2f}x greedy")
+    q = report["q4_1"]
+    print("q4_1: " + ", ".join(f"{k} {v:.2f}x (target {q['targets'][k]})" for k, v in q["ratios"].items())
+          + f"; same tokens as fp32: {q['same_tokens_as_fp32']}")
     print_snapshots(report["snapshots"])
     if "pipeline" in report:
         p = report["pipeline"]

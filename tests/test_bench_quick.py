@@ -11,7 +11,7 @@ from inference_engine.blas import find_openblas
 
 pytestmark = pytest.mark.real_model
 ROOT = Path(__file__).resolve().parents[1]
-ENGINES = ("server", "in_process", "mlx_lm", "llama_cpp")
+ENGINES = ("server", "server_fp32", "in_process", "mlx_lm", "llama_cpp")
 
 
 @pytest.fixture(scope="module")
@@ -35,20 +35,31 @@ def test_meta_and_blas(report):
         assert meta["blas"].startswith("openblas") and report["engines"]["server"]["blas"].startswith("openblas")
 
 
-@pytest.mark.parametrize("name", ENGINES[:3])
+@pytest.mark.parametrize("name", ENGINES[:4])
 def test_mlx_engines_have_every_figure(report, name):
     e = report["engines"][name]
     assert e["available"] and e["new_tokens"] == report["meta"]["plan"]["new_tokens"]
     for key in ("decode_tok_s", "per_token_ms", "ttft_ms", "prefill_tok_s"):
         assert _positive(e[key]), (key, e[key])
-    assert 0 < e["fraction_of_limit"] < 1.5 and e["limit_tok_s"] == report["limit"]["tok_s_fp32"]
+    reads = "tok_s_gguf" if e.get("weights") == "q4_1" else "tok_s_fp32"  # the limit of the bytes it streams
+    assert 0 < e["fraction_of_limit"] < 1.5 and e["limit_tok_s"] == report["limit"][reads]
 
 
-def test_server_decodes_exactly_what_the_in_process_engine_does(report):
+def test_servers_decode_exactly_what_the_in_process_engine_does(report):
     eng = report["engines"]
-    assert eng["server"]["greedy_prefix_agreement"] == eng["server"]["new_tokens"]
-    assert eng["in_process"]["greedy_prefix_agreement"] == eng["in_process"]["new_tokens"]
-    assert eng["server"]["mode"] == eng["in_process"]["mode"]
+    for name in ("server", "server_fp32", "in_process"):  # q4_1 and fp32: the same tokens
+        assert eng[name]["greedy_prefix_agreement"] == eng[name]["new_tokens"], name
+    assert eng["server"]["mode"] == eng["in_process"]["mode"] == eng["server_fp32"]["mode"]
+    assert eng["server"]["weights"] == eng["in_process"]["weights"] == "q4_1"  # the default
+    assert eng["server_fp32"]["weights"] == "fp32"
+
+
+def test_q4_1_targets_section(report):
+    q = report["q4_1"]
+    assert q["weights"] == "q4_1" and q["same_tokens_as_fp32"]
+    assert set(q["targets"]) >= set(q["ratios"]) >= {"prefill_over_fp32_server", "idle_rss_over_fp32_server"}
+    assert all(r > 0 for r in q["ratios"].values())
+    assert q["ratios"]["idle_rss_over_fp32_server"] < 1  # no fp32 copy resident
 
 
 def test_llama_cpp_measured_or_explained(report):
@@ -79,8 +90,9 @@ def test_append_latency_at_short_and_wrapped_history(report):
     assert a["filled"]["cached_tokens"] == a["long"]["cached_tokens"]  # both past the window: same work
 
 
-def test_server_rss_grows_with_sessions(report):
-    m = report["server_rss"]
+@pytest.mark.parametrize("key", ["server_rss", "server_rss_fp32"])
+def test_server_rss_grows_with_sessions(report, key):
+    m = report[key]
     sessions = report["meta"]["plan"]["sessions"]
     assert 100 < m["idle_mib"] <= m[f"sessions_{sessions}_mib"] and m["sessions_1_mib"] > 100
     assert m["kv_bytes_per_session"] > 0

@@ -190,7 +190,7 @@ def test_the_check_detects_a_batch_variant_blas():
 
 def test_preloaded_in_front_of_openblas_under_mlx():
     out = probe(f"{kernel_library('exact_gemm')}:{find_openblas()}", rows=80, outs=72)
-    assert out["blas"].startswith("openblas: ") and out["blas"].endswith("+ exact-gemm kernel 1 (max rows 64, 8-lane mul+add)")
+    assert out["blas"].startswith("openblas: ") and out["blas"].endswith("+ exact-gemm kernel 2 (max rows 64, 8-lane mul+add; Q4_1/Q8_0 weights)")
     assert out["invariant_rows"][:64] == [True] * 64  # every block of <= 64 rows: a row's bits never depend on it
     assert all(out["close"]) and all(out["close_notrans"]) and all(out["close_addmm"])  # including > 64 (OpenBLAS)
     assert out["close_attention"] and out["close_trans_a"]

@@ -11,7 +11,8 @@ RMSNorm run as a dozen elementwise ops each, and every linear is its own BLAS ca
   elementwise tails run as a few fused kernels.
 
 Every piece acts on each row independently, so row-invariance (the exact path) is kept;
-the tile probe covers the fused shapes (`fused_linears`).
+the tile probe covers the fused shapes (`fused_linears`). Linears stored as GGUF blocks
+(`gguf_blocks.BlockLinear`) fuse the same way: their rows of blocks are concatenated.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
+from inference_engine.model.gguf_blocks import BlockLinear, QMatmul
+
 _QUANT_ARRAYS = ("weight", "scales", "biases")  # nn.QuantizedLinear's arrays, all (out, ...)
 
 
@@ -33,27 +36,42 @@ class LinearKind:
     quant: tuple[int, int, str] | None  # (group_size, bits, mode) of a quantized linear, else None
     has_biases: bool  # a quantized linear's affine `biases` array is present
     has_bias: bool  # an additive bias follows the matmul
+    blocks: tuple[int, QMatmul] | None = None  # (ggml type, kernel) of a BlockLinear, else None
 
     @property
     def n_arrays(self) -> int:
         """How many arrays `linear_arrays` yields for this kind."""
+        if self.blocks is not None:
+            return 1
         return (1 if self.quant is None else 2 + int(self.has_biases)) + int(self.has_bias)
 
 
 def linear_kind(module: nn.Module) -> LinearKind:
-    """The static facts of an nn.Linear / nn.QuantizedLinear."""
+    """The static facts of an nn.Linear / nn.QuantizedLinear / BlockLinear."""
+    if isinstance(module, BlockLinear):
+        return LinearKind(None, False, False, (module.fmt, module.qmatmul))
     quant = (module.group_size, module.bits, module.mode) if isinstance(module, nn.QuantizedLinear) else None
     return LinearKind(quant, quant is not None and "biases" in module, "bias" in module)
 
 
-def linear_arrays(module: nn.Module) -> tuple[mx.array, ...]:
-    """The arrays `apply_linear` takes: weight[, scales[, biases]][, bias]."""
+def _array_names(module: nn.Module) -> tuple[str, ...]:
+    """The names of the arrays `apply_linear` takes, in order: weight[, scales[, biases]][, bias] or blocks."""
+    if isinstance(module, BlockLinear):
+        return ("blocks",)
     names = _QUANT_ARRAYS if isinstance(module, nn.QuantizedLinear) else ("weight",)
-    return tuple(module[n] for n in (*names, "bias") if n in module)
+    return tuple(n for n in (*names, "bias") if n in module)
+
+
+def linear_arrays(module: nn.Module) -> tuple[mx.array, ...]:
+    """The arrays `apply_linear` takes: weight[, scales[, biases]][, bias], or a BlockLinear's blocks."""
+    return tuple(module[n] for n in _array_names(module))
 
 
 def apply_linear(kind: LinearKind, x: mx.array, arrays: tuple[mx.array, ...]) -> mx.array:
-    """Exactly what nn.Linear / nn.QuantizedLinear compute (same ops, so the same bits)."""
+    """Exactly what nn.Linear / nn.QuantizedLinear / BlockLinear compute (same ops, so the same bits)."""
+    if kind.blocks is not None:
+        fmt, qmatmul = kind.blocks
+        return qmatmul(x, arrays[0], fmt)
     if kind.quant is None:
         return mx.addmm(arrays[1], x, arrays[0].T) if kind.has_bias else x @ arrays[0].T
     group_size, bits, mode = kind.quant
@@ -65,13 +83,13 @@ def apply_linear(kind: LinearKind, x: mx.array, arrays: tuple[mx.array, ...]) ->
 def concat_linears(parts: list[nn.Module]) -> nn.Module:
     """One linear whose output is the parts' outputs side by side; the parts become views of it."""
     fused = copy.copy(parts[0])
-    names = [n for n in (*_QUANT_ARRAYS, "bias") if n in parts[0]]
+    names = _array_names(parts[0])
     for n in names:
         fused[n] = mx.concatenate([p[n] for p in parts], axis=0)
     mx.eval([fused[n] for n in names])
     start = 0
     for p in parts:
-        rows = p["weight"].shape[0]
+        rows = p[names[0]].shape[0]
         for n in names:
             p[n] = fused[n][start : start + rows]  # a view: the separate copy is freed
         start += rows
@@ -162,7 +180,7 @@ def _build(layer: nn.Module) -> FusedBlock:
     qkv = concat_linears([a.q_proj, a.k_proj, a.v_proj])
     gate_up = concat_linears([m.gate_proj, m.up_proj])
     shape = _Shape(
-        n_heads=a.n_heads, n_kv=a.n_kv_heads, head_dim=a.q_proj.weight.shape[0] // a.n_heads,
+        n_heads=a.n_heads, n_kv=a.n_kv_heads, head_dim=linear_arrays(a.q_proj)[0].shape[0] // a.n_heads,
         eps_in=layer.input_layernorm.eps, eps_post=layer.post_attention_layernorm.eps, scale=a.scale,
         rope_id=id(a.rope), rope=a.rope,
         kinds=(linear_kind(qkv), linear_kind(a.o_proj), linear_kind(gate_up), linear_kind(m.down_proj)),

@@ -12,6 +12,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from inference_engine.model.gguf_blocks import QMatmul, load_gguf_blocks
+
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")  # llama-family mlx-lm architectures we run
 
 
@@ -66,6 +68,24 @@ def load_model(path: Path) -> LoadedModel:
     return LoadedModel(model, spec_of(model, path.name, eos, "quantization" in config), tokenizer._tokenizer)
 
 
+def load_block_model(path: Path, gguf_path: Path, qmatmul: QMatmul) -> LoadedModel:
+    """The model of folder `path` with the GGUF's own blocks for weights (see gguf_blocks.py).
+
+    `path` is the folder converted from `gguf_path` (architecture, config, tokenizer); its fp32
+    weights are never read.
+
+    Raises:
+        FileNotFoundError / ValueError: as `load_model`, or the GGUF does not fit the folder.
+    """
+    from mlx_lm.utils import load_tokenizer
+
+    model, config = load_weights(path, lazy=True)  # the fp32 arrays stay unread: all are replaced
+    load_gguf_blocks(model, gguf_path, qmatmul)
+    tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    eos = tuple(sorted(int(t) for t in tokenizer.eos_token_ids))
+    return LoadedModel(model, spec_of(model, path.name, eos), tokenizer._tokenizer)
+
+
 def load_weights(path: Path, lazy: bool = True) -> tuple[nn.Module, dict[str, Any]]:
     """An mlx-lm folder's model object and config, without its tokenizer.
 
@@ -86,13 +106,17 @@ def load_weights(path: Path, lazy: bool = True) -> tuple[nn.Module, dict[str, An
 
 
 def model_fingerprint(model: nn.Module) -> str:
-    """Hex SHA-256 over the model's shape arguments and its first embedding rows."""
+    """Hex SHA-256 over the model's shape arguments and its first embedding rows (as the model embeds them).
+
+    A model served from GGUF blocks embeds bitwise the rows of its fp32 conversion: the same
+    fingerprint, and a route may mix the two (their logits are bitwise equal).
+    """
     a = model.args
     h = hashlib.sha256()
     for name in ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
                  "num_key_value_heads", "vocab_size", "intermediate_size"):
         h.update(f"{name}={getattr(a, name, None)};".encode())
-    h.update(np.array(model.model.embed_tokens.weight[:8]).tobytes())
+    h.update(np.array(model.model.embed_tokens(mx.arange(8))).tobytes())  # rows 0..7, however they are stored
     return h.hexdigest()
 
 

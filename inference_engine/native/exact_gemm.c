@@ -1,28 +1,33 @@
 /*
- * exact_gemm: a row-invariant cblas_sgemm for blocks of up to 64 rows (Linux launcher only).
+ * exact_gemm: a row-invariant cblas_sgemm for blocks of up to 64 rows (Linux launcher only),
+ * and the same products with weights read from GGUF Q4_1/Q8_0 blocks (`exact_qgemm`).
  *
  * Why a row's bits cannot depend on its block: every output C[i,n] is reduced by one fixed
  * sequence of fp32 operations that depends only on K, alpha, beta and the two input rows,
- * never on M, on i, on which micro-kernel computed it nor on which thread: lane j of an
- * 8-lane accumulator sums a[k]*b[k] for k = j, j+8, ... in increasing k (a zero-padded last
- * step for K % 8), then the lanes are added in one fixed tree, then alpha and beta are
- * applied. Threads (the caller and a small pool) claim chunks of output columns, never of
- * K. Every micro-kernel (1x8, RxC tiles) instantiates the same per-element code; tiling only
- * decides which weights are reused from registers and L1, i.e. a weight row is read from
- * memory once per call, not once per row.
+ * never on M, on i, on which micro-kernel computed it nor on which thread (exact_dot.h).
+ * Threads (the caller and a small pool) claim chunks of output columns, never of K. Every
+ * micro-kernel (1x8, RxC tiles) instantiates the same per-element code; tiling only decides
+ * which weights are reused from registers and L1, i.e. a weight row is read from memory
+ * once per call, not once per row.
  *
  * Arithmetic: explicit 8-lane GCC vectors, a multiply and an add rounded separately
  * (built with -ffp-contract=off; no FMA anywhere), so SSE2, AVX2 and AVX-512 machines give
- * the same bits. No -march=native (a cached build may meet another CPU): on x86-64 the two
+ * the same bits. No -march=native (a cached build may meet another CPU): on x86-64 the
  * column loops get an AVX2 clone chosen at load time (target_clones), which changes the
- * instructions, not the operations. `dot_step` and `hsum8` are the whole per-element
- * arithmetic, to be shared by a future quantized (d*q + m) kernel.
+ * instructions, not the operations.
  *
  * Cases: RowMajor, A not transposed, B transposed (MLX's x @ W.T: each output is the dot
  * product of two contiguous rows) or not (attention's weights @ values: one sequential
  * chain per element, k = 0..K-1). Calls with more rows (plain-mode prefill) and any other
  * layout go to the real sgemm unchanged, found with dlsym(RTLD_NEXT) behind LD_PRELOAD
  * (without one, this computes the two layouts for any M and aborts on the others).
+ *
+ * Quantized weights (`exact_qgemm`, called by the MLX extension native/exact_quant.cpp, any
+ * M): each block's 32 weights are dequantized exactly as the converter did (ggml_blocks.h)
+ * and fed to the same dot_step/hsum8 in the same k order as the fp32 B-transposed case, so
+ * the result is bitwise x @ W.T of the served fp32 weights. One row: dequantized in
+ * registers, 4 weight rows at a time. More rows: 3 weight rows dequantized into an L1
+ * scratch, then the fp32 tiles themselves run over it (each weight dequantized once per call).
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -38,16 +43,16 @@
 #include <time.h>
 #include <unistd.h>
 
-#if FLT_EVAL_METHOD != 0
-#error "exact_gemm needs fp32 arithmetic without excess precision"
-#endif
+#pragma GCC diagnostic ignored "-Wpsabi" /* 32-byte vectors never cross a non-inlined call */
+#include "exact_dot.h"
+#include "ggml_blocks.h"
 
 #define EXACT_GEMM_MAX_ROWS 64
 #define SPIN_NS 200000L    /* a worker spins this long for the next call before sleeping */
 #define SOLO_CALLS 256     /* after a call waited on a descheduled worker, calls run alone */
 #define CHUNK_COST 400000L /* rows (at least 4) x k x columns per claimed chunk (~20 us) */
 
-const char exact_gemm_version[] = "exact-gemm kernel 1 (max rows 64, 8-lane mul+add)";
+const char exact_gemm_version[] = "exact-gemm kernel 2 (max rows 64, 8-lane mul+add; Q4_1/Q8_0 weights)";
 
 enum { ROW_MAJOR = 101 };
 enum { NO_TRANS = 111, TRANS = 112 };
@@ -61,35 +66,6 @@ static sgemm_fn real_sgemm;
 #else
 #define KERNEL
 #endif
-#define INLINE static inline __attribute__((always_inline))
-#pragma GCC diagnostic ignored "-Wpsabi" /* 32-byte vectors never cross a non-inlined call */
-
-typedef float v8 __attribute__((vector_size(32)));
-
-/* ------------------------------------------------------------------ per-element arithmetic */
-
-INLINE v8 load8(const float *p) {
-    v8 v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-INLINE v8 load_tail(const float *p, int n) { /* n < 8 floats, zero-padded */
-    v8 v = {0};
-    for (int j = 0; j < n; ++j)
-        v[j] = p[j];
-    return v;
-}
-
-INLINE v8 dot_step(v8 acc, v8 x, v8 w) { return acc + x * w; } /* two roundings, never fused */
-
-INLINE float hsum8(v8 v) { return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7])); }
-
-INLINE float scale_add(float s, float alpha, float beta, const float *c) {
-    if (alpha != 1.0f)
-        s = alpha * s;
-    return beta == 0.0f ? s : s + beta * *c; /* beta == 0: C may be fresh memory (NaN), never read */
-}
 
 /* --------------------------------------------------------------- B transposed: rows . rows */
 
@@ -99,6 +75,9 @@ struct job {
     const float *a, *b;
     float *c;
     size_t lda, ldb, ldc;
+    int fmt;            /* 0: fp32 B; GGML_Q4_1 / GGML_Q8_0: B is `q`, n rows of k / 32 blocks */
+    const uint8_t *q;   /* quantized weights (fmt != 0) */
+    size_t ldq;         /* bytes from one weight row to the next */
 };
 
 /* R rows of A x C rows of B, full K: every weight vector loaded once feeds R rows. `pf`: the
@@ -259,6 +238,82 @@ KERNEL static void run_nn(const struct job *j, int n0, int n1) {
             column_nn(j, i, n);
 }
 
+/* ------------------------------------------------------------ B quantized: rows . blocks */
+
+static __thread float *scratch; /* per thread: dequantized weight rows for multi-row tiles */
+static __thread size_t scratch_floats;
+
+static float *dequant_scratch(size_t floats) {
+    if (scratch_floats < floats) {
+        free(scratch);
+        scratch = malloc(floats * sizeof *scratch);
+        if (!scratch)
+            abort(); /* a few KB per thread: nothing sensible is left to do */
+        scratch_floats = floats;
+    }
+    return scratch;
+}
+
+static inline v8i widen_u8_portable(const uint8_t *p) {
+    v8i v;
+    for (int i = 0; i < 8; ++i)
+        v[i] = p[i];
+    return v;
+}
+
+static inline v8i widen_s8_portable(const uint8_t *p) {
+    v8i v;
+    for (int i = 0; i < 8; ++i)
+        v[i] = (int8_t)p[i];
+    return v;
+}
+
+static inline void halves_portable(const uint8_t *p, v8 *a, v8 *b) {
+    *a = splat8(half_to_float(p));
+    *b = splat8(half_to_float(p + 2));
+}
+
+#define QV(name) name##_portable
+#define QTARGET
+#define WIDEN_U8 widen_u8_portable
+#define WIDEN_S8 widen_s8_portable
+#define HALVES halves_portable
+#include "exact_qtiles.h"
+#undef QV
+#undef QTARGET
+#undef WIDEN_U8
+#undef WIDEN_S8
+#undef HALVES
+
+#if defined(__x86_64__) && !defined(__AVX2__)
+#include <immintrin.h>
+#define QTARGET __attribute__((target("avx2,f16c")))
+
+QTARGET static inline void halves_f16c(const uint8_t *p, v8 *a, v8 *b) {
+    int32_t pair;
+    memcpy(&pair, p, sizeof pair);
+    __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(pair)); /* exact: every fp16 is a float */
+    *a = (v8)_mm256_broadcastss_ps(f);
+    *b = (v8)_mm256_broadcastss_ps(_mm_movehdup_ps(f));
+}
+
+#define WIDEN_U8(p) ((v8i)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+#define WIDEN_S8(p) ((v8i)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+#define HALVES halves_f16c
+#define QV(name) name##_avx2
+#include "exact_qtiles.h"
+
+static void (*run_q)(const struct job *, int, int) = run_q_portable; /* run_q_avx2 where the CPU has it */
+
+__attribute__((constructor)) static void choose_run_q(void) {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c"))
+        run_q = run_q_avx2;
+}
+#else
+#define run_q run_q_portable
+#endif
+
 /* ------------------------------------------------------------------------- the thread pool */
 
 /* A pooled call is cut into chunks of whole 24-column groups, which the caller and the
@@ -266,7 +321,9 @@ KERNEL static void run_nn(const struct job *j, int n0, int n1) {
  * the claiming may be as dynamic as it likes: a worker that is descheduled (a busy
  * machine) or asleep simply gets fewer chunks, and the caller never waits for work that
  * nobody has started. */
-static void run_columns(const struct job *j, int n0, int n1) { (j->trans_b ? run_nt : run_nn)(j, n0, n1); }
+static void run_columns(const struct job *j, int n0, int n1) {
+    (j->fmt ? run_q : j->trans_b ? run_nt : run_nn)(j, n0, n1);
+}
 
 #define TICKET(gen, next, count) ((uint64_t)(gen) << 32 | (uint64_t)(next) << 16 | (uint64_t)(count))
 #define GEN(t) ((uint32_t)((t) >> 32))
@@ -454,4 +511,24 @@ void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float
         abort();
     }
     real_sgemm(order, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+
+/* C (m x n, row stride ldc) = A (m x k, row stride lda) . W^T, W given as n rows of k / 32
+ * GGUF blocks of type `fmt` (GGML_Q4_1 or GGML_Q8_0), ldq bytes apart: bitwise the fp32
+ * cblas_sgemm above on the dequantized W, for any m (the MLX extension's entry).
+ * Returns 0, or -1 (nothing written) for another format, k % 32 != 0 or ldq too small. */
+int exact_qgemm(int fmt, int m, int n, int k, const float *a, long lda, const void *q, long ldq, float *c, long ldc) {
+    int bytes = ggml_block_bytes(fmt);
+    if (bytes == 0 || k < 0 || k % GGML_QK != 0 || ldq < (long)(k / GGML_QK) * bytes || lda < k || ldc < n)
+        return -1;
+    if (m <= 0 || n <= 0)
+        return 0;
+    if (k == 0) {
+        for (int i = 0; i < m; ++i)
+            memset(c + (size_t)i * ldc, 0, (size_t)n * sizeof *c);
+        return 0;
+    }
+    struct job j = {1, m, n, k, 1.0f, 0.0f, a, NULL, c, (size_t)lda, 0, (size_t)ldc, fmt, q, (size_t)ldq};
+    run(&j);
+    return 0;
 }

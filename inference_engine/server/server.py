@@ -22,8 +22,9 @@ import mlx.core as mx
 from inference_engine.blas import active_blas
 from inference_engine.config import ServerConfig
 from inference_engine.errors import RuntimeServiceError
+from inference_engine.model.gguf_blocks import has_blocks
 from inference_engine.model.loader import LoadedModel, load_model, model_fingerprint
-from inference_engine.model.packaged import resolve_model_path
+from inference_engine.model.packaged import DRAFT_MODEL, resolve_model_path
 from inference_engine.process_exit import wait_for_stop_signal
 from inference_engine.readiness import announce
 from inference_engine.runtime.engine import Engine
@@ -31,10 +32,12 @@ from inference_engine.runtime.persistence import open_persistence
 from inference_engine.runtime.runtime import Runtime
 from inference_engine.runtime.session_transfer import SessionTransfer
 from inference_engine.server.frontend import Frontend, open_frontend, start_frontend
+from inference_engine.served_model import load_served_model, release_start_up_memory
 from inference_engine.server.metrics_http import MetricsEndpoint
 from inference_engine.shard.client.route import ShardRoute
 from inference_engine.shard.client.route_backend import RouteBackend
 from inference_engine.shard.client.supervisor import WorkerFlags, WorkerSupervisor
+from inference_engine.verifier.tile_probe import fp32_mismatches
 
 log = logging.getLogger(__name__)
 
@@ -52,18 +55,45 @@ def matmul_ms(n: int = 1024) -> float:
 
 
 def build_engine(cfg: ServerConfig, loaded: LoadedModel | None = None) -> Engine:
-    """Load the configured model (unless given) and probe its exact tile."""
-    if loaded is None:
-        path = resolve_model_path(cfg.model, cfg.cache_dir)
-        log.info("loading model from %s", path)
-        loaded = load_model(path)
-    draft = None
-    if cfg.draft_model is not None:
-        path = resolve_model_path(cfg.draft_model, cfg.cache_dir)
-        log.info("loading draft model from %s", path)
-        draft = load_model(path)
-    return Engine(loaded, cfg.exact, cfg.max_tile, cfg.plain_block, cfg.max_rollback, draft=draft,
-                  max_batch_rows=cfg.max_batch_rows, append_rows=cfg.append_rows)
+    """Load the configured model (unless given) from `cfg.weights` and probe its exact tile.
+
+    A q4_1 model whose kernel the probe finds unequal to the fp32 kernel is replaced by the
+    fp32 model (logged as an error): the weights never change the bits.
+    """
+    served = load_served_model(cfg.model, cfg.weights, cfg.cache_dir) if loaded is None else None
+    packaged_draft: LoadedModel | None = None  # loaded once, if ever needed
+
+    def draft_for(target: LoadedModel) -> LoadedModel | None:
+        nonlocal packaged_draft
+        if cfg.draft_model == DRAFT_MODEL and has_blocks(target.model):
+            log.info("draft model %s: the target's own Q4_1/Q8_0 blocks", DRAFT_MODEL)
+            # the packaged draft is this model at 4 bits; its Q4_1 blocks already are, on the exact kernel
+            return target  # (MLX's own 4-bit matmul runs scalar here): share them, no second copy
+        if cfg.draft_model is not None and packaged_draft is None:
+            path = resolve_model_path(cfg.draft_model, cfg.cache_dir)
+            log.info("loading draft model from %s", path)
+            packaged_draft = load_model(path)
+        return packaged_draft
+
+    def engine_for(model: LoadedModel) -> Engine:
+        return Engine(model, cfg.exact, cfg.max_tile, cfg.plain_block, cfg.max_rollback, draft=draft_for(model),
+                      max_batch_rows=cfg.max_batch_rows, append_rows=cfg.append_rows)
+
+    engine = engine_for(loaded or served.loaded)
+    mismatches = engine.probe.mismatches if engine.probe is not None else fp32_mismatches(engine.loaded.model)
+    if mismatches:
+        log.error("the q4_1 kernel differs from the fp32 kernel (%s); serving fp32 weights", "; ".join(mismatches))
+        engine.close()
+        engine = engine_for(load_served_model(cfg.model, "fp32", cfg.cache_dir).loaded)
+    elif served is not None and served.weights == "q4_1":
+        log.info("weights: q4_1 (the GGUF's blocks; the probe found them bitwise equal to the fp32 kernel)")
+    release_start_up_memory()
+    return engine
+
+
+def engine_weights(engine: Engine) -> str:
+    """What the engine's target computes with: "q4_1" (GGUF blocks) or "fp32"."""
+    return "q4_1" if has_blocks(engine.loaded.model) else "fp32"
 
 
 async def connect_shards(cfg: ServerConfig, engine: Engine) -> tuple[ShardRoute | None, WorkerSupervisor | None]:
@@ -79,7 +109,7 @@ async def connect_shards(cfg: ServerConfig, engine: Engine) -> tuple[ShardRoute 
     addresses = list(cfg.shards)
     if cfg.spawn_shards:
         flags = WorkerFlags(host="127.0.0.1", model=cfg.model, block=engine.block, max_sessions=2 * cfg.max_sessions,
-                            max_sink=cfg.max_sink, max_window=cfg.max_window)
+                            max_sink=cfg.max_sink, max_window=cfg.max_window, weights=engine_weights(engine))
         supervisor = WorkerSupervisor(cfg.spawn_shards, flags)
         addresses = await supervisor.start()
     if not addresses:

@@ -9,6 +9,11 @@ references cost a few calls, not one per position: a BLAS's bits depend on a row
 values, the block size and the row's position, never on the values of its neighbours,
 and every position still holds a random row. The block sizes of one shape are evaluated
 as one lazy graph in groups, each reduced to one equal/unequal flag.
+
+Linears stored as GGUF blocks (model/gguf_blocks.py) are also checked against the fp32
+kernel: a block of rows through the quantized kernel must give bitwise the rows of the fp32
+product with the converter's dequantized weights. With both kernels row-invariant (the probe
+above, and the fp32 kernel by construction), that makes them equal at every block size.
 """
 
 from __future__ import annotations
@@ -20,6 +25,10 @@ import mlx.nn as nn
 import numpy as np
 
 from inference_engine.model.fused_block import fused_linears
+from inference_engine.model.gguf_blocks import BlockEmbedding, BlockLinear, dequantize_blocks
+
+REFERENCE_ROWS = 8192  # weight rows dequantized at a time for the fp32 reference (bounds its memory)
+REFERENCE_BLOCK = 64  # rows of the fp32 comparison: the exact-gemm kernel computes up to 64 rows itself
 
 
 @dataclass(frozen=True)
@@ -30,27 +39,72 @@ class ProbeResult:
     max_candidate: int  # largest M tried
     failures: tuple[str, ...]  # "shape MxK@N: M=.. row .." descriptions of failed sizes
     shapes: tuple[tuple[int, int], ...]  # (in, out) of the probed linears
+    mismatches: tuple[str, ...] = ()  # block-stored shapes whose rows differ from the fp32 kernel's
+    block_shapes: tuple[tuple[int, int], ...] = ()  # (in, out) of the shapes checked against fp32
 
     @property
     def is_exact_possible(self) -> bool:
         """At least single-row execution is deterministic."""
         return self.tile >= 1
 
+    @property
+    def is_fp32_equal(self) -> bool:
+        """Every block-stored linear gives bitwise the fp32 kernel's rows (vacuously true for fp32 models)."""
+        return not self.mismatches
+
 
 def _linears(model: nn.Module) -> dict[tuple[int, int], nn.Module]:
     """One linear per distinct (in, out) shape, plus the LM head."""
     found: dict[tuple[int, int], nn.Module] = {}
     for _, module in nn.utils.tree_flatten(model.leaf_modules(), is_leaf=lambda m: isinstance(m, nn.Module)):
-        if isinstance(module, (nn.Linear, nn.QuantizedLinear)):
-            out_dim, in_dim = module.weight.shape[0], _in_dim(module)
-            found.setdefault((in_dim, out_dim), module)
+        if isinstance(module, (nn.Linear, nn.QuantizedLinear, BlockLinear)):
+            found.setdefault((_in_dim(module), _out_dim(module)), module)
     return found
 
 
 def _in_dim(module: nn.Module) -> int:
+    if isinstance(module, BlockLinear):
+        return module.in_features
     if isinstance(module, nn.QuantizedLinear):
         return module.weight.shape[1] * 32 // module.bits
     return module.weight.shape[1]
+
+
+def _out_dim(module: nn.Module) -> int:
+    return module.out_features if isinstance(module, BlockLinear) else module.weight.shape[0]
+
+
+def _fp32_reference(module: BlockLinear | BlockEmbedding):
+    """x @ W.T by the fp32 kernel, W dequantized by the converter's code in slices of rows.
+
+    Each output column is its own dot product, so slicing W's rows cannot change its bits.
+    """
+    blocks = np.array(module.blocks)
+
+    def reference(x: mx.array) -> mx.array:
+        parts = []
+        for lo in range(0, blocks.shape[0], REFERENCE_ROWS):
+            w = mx.array(dequantize_blocks(blocks[lo : lo + REFERENCE_ROWS], module.fmt))  # (rows, in)
+            parts.append(x @ w.T)
+            mx.eval(parts[-1])  # one slice of fp32 weights alive at a time
+        return mx.concatenate(parts, axis=-1)
+
+    return reference
+
+
+def fp32_mismatch(fn, reference, in_dim: int, rows: int, rng: np.random.Generator) -> str:
+    """Compare a block of `rows` random rows (and its first row alone) through `fn` and `reference`.
+
+    Returns:
+        "" if every row is bitwise equal, else which rows differ.
+    """
+    x = mx.array(rng.standard_normal((1, rows, in_dim)).astype(np.float32))
+    expected = np.array(reference(x)[0])  # (rows, out)
+    got = np.array(fn(x)[0])
+    bad = [i for i in range(rows) if not np.array_equal(got[i], expected[i])]
+    if not np.array_equal(np.array(fn(x[:, :1])[0, 0]), expected[0]):
+        bad = [-1, *bad]  # -1: the row alone
+    return f"M={rows} rows {bad[:4]} differ from the fp32 kernel" if bad else ""
 
 
 def probe_tile(
@@ -69,11 +123,12 @@ def probe_tile(
     rng = np.random.default_rng(seed)
     linears = _linears(model)
     for fused in fused_linears(model):  # the projections forward actually runs
-        linears.setdefault((_in_dim(fused), fused.weight.shape[0]), fused)
+        linears.setdefault((_in_dim(fused), _out_dim(fused)), fused)
     fns = {shape: (lambda x, m=m: m(x)) for shape, m in linears.items()}
     embed = model.model.embed_tokens
-    hidden = embed.weight.shape[1] if not isinstance(embed, nn.QuantizedEmbedding) else embed.dims
-    fns[(hidden, model.args.vocab_size)] = lambda x: embed.as_linear(x)
+    hidden = embed.dims if isinstance(embed, (nn.QuantizedEmbedding, BlockEmbedding)) else embed.weight.shape[1]
+    head = (hidden, model.args.vocab_size)
+    fns[head] = lambda x: embed.as_linear(x)
     failures: list[str] = []
     tile = max_candidate
     for (in_dim, out_dim), fn in sorted(fns.items()):
@@ -81,7 +136,39 @@ def probe_tile(
             failure, tile = first_variant_size(fn, in_dim, tile, rng, distinct)
             if failure:
                 failures.append(f"{in_dim}->{out_dim}: {failure}")
-    return ProbeResult(tile=tile, max_candidate=max_candidate, failures=tuple(failures), shapes=tuple(sorted(fns)))
+    blocked = _block_stored(model)
+    mismatches = fp32_mismatches(model, min(max_candidate, REFERENCE_BLOCK), rng)
+    return ProbeResult(tile=tile, max_candidate=max_candidate, failures=tuple(failures), shapes=tuple(sorted(fns)),
+                       mismatches=mismatches, block_shapes=tuple(sorted(blocked)))
+
+
+def _block_stored(model: nn.Module) -> dict[tuple[int, int], BlockLinear | BlockEmbedding]:
+    """One block-stored linear per distinct (in, out) shape (fused ones included), and the LM head if blocks."""
+    linears = _linears(model)
+    for fused in fused_linears(model):
+        linears.setdefault((_in_dim(fused), _out_dim(fused)), fused)
+    found = {shape: m for shape, m in linears.items() if isinstance(m, BlockLinear)}
+    embed = model.model.embed_tokens
+    if isinstance(embed, BlockEmbedding):
+        found[(embed.dims, model.args.vocab_size)] = embed
+    return found
+
+
+def fp32_mismatches(model: nn.Module, rows: int = REFERENCE_BLOCK, rng: np.random.Generator | None = None
+                    ) -> tuple[str, ...]:
+    """Every block-stored shape of `model` against the fp32 kernel (`fp32_mismatch`); () if all equal.
+
+    Args:
+        rows: rows of the compared block (at most REFERENCE_BLOCK).
+    """
+    rng = rng or np.random.default_rng(0)
+    out = []
+    for (in_dim, out_dim), module in sorted(_block_stored(model).items()):
+        fn = module.as_linear if isinstance(module, BlockEmbedding) else module
+        mismatch = fp32_mismatch(fn, _fp32_reference(module), in_dim, rows, rng)
+        if mismatch:
+            out.append(f"{in_dim}->{out_dim}: {mismatch}")
+    return tuple(out)
 
 
 def first_variant_size(

@@ -174,15 +174,11 @@ def memory_bandwidth(nbytes: int, reps: int) -> dict[str, float]:
     return out
 
 
-def gguf_weight_bytes(path: Path) -> int:
-    """Bytes of the tensors stored in a GGUF (what llama.cpp reads per token)."""
-    from gguf import GGUFReader
+def weight_bytes(path: Path) -> dict[str, int]:
+    """Bytes one decoded token reads, per weight storage: "gguf" (the GGUF's tensors: llama.cpp and
+    --weights q4_1 read these blocks) and "fp32" (every parameter in fp32, the tied embedding once)."""
+    from inference_engine.model.gguf_blocks import read_gguf_tensors
 
-    return int(sum(t.n_bytes for t in GGUFReader(str(path)).tensors))
-
-
-def mlx_weight_bytes(model: Any) -> int:
-    """Bytes of every parameter of an MLX model (tied embeddings counted once)."""
-    from mlx.utils import tree_flatten
-
-    return int(sum(p.nbytes for _, p in tree_flatten(model.parameters())))
+    tensors = read_gguf_tensors(path)
+    return {"fp32": 4 * sum(int(np.prod(t.shape)) for t in tensors),
+            "gguf": sum(t.row_bytes * int(np.prod(t.shape[:-1])) for t in tensors)}

@@ -14,7 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from benchkit.core import ROOT, Contender, Plan, Prompts, Trace, mlx_weight_bytes, summary
+from benchkit.core import ROOT, Contender, Plan, Prompts, Trace, summary
 from inference_engine.readiness import wait_ready
 
 # ---------------------------------------------------------------------------- server (gRPC)
@@ -23,9 +23,9 @@ from inference_engine.readiness import wait_ready
 class ServerProcess:
     """`python -m inference_engine serve --port 0` as a subprocess, with a sync stub."""
 
-    def __init__(self, plan: Plan):
+    def __init__(self, plan: Plan, weights: str = "q4_1"):
         self._log = tempfile.NamedTemporaryFile("w+", prefix="bench-server-", suffix=".log")
-        cmd = [sys.executable, "-m", "inference_engine", "serve", "--port", "0",
+        cmd = [sys.executable, "-m", "inference_engine", "serve", "--port", "0", "--weights", weights,
                "--default-window", str(plan.window), "--max-sessions", str(plan.sessions)]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=self._log, text=True)
@@ -100,13 +100,14 @@ class ServerProcess:
             self.channel.close()
 
 
-def start_server(plan: Plan, prompts: Prompts, stack: ExitStack) -> tuple[ServerProcess, Contender]:
-    """A real server process (closed by `stack`) and its gRPC decode/prefill."""
-    server = ServerProcess(plan)
+def start_server(plan: Plan, prompts: Prompts, stack: ExitStack, weights: str = "q4_1") -> tuple[ServerProcess, Contender]:
+    """A real server process serving `weights` (closed by `stack`) and its gRPC decode/prefill."""
+    server = ServerProcess(plan, weights)
     stack.callback(server.close)
     log = server.log()  # start-up lines come before "listening on"
     blas, mode = re.search(r"BLAS in use: (.*)", log), re.search(r"(exact|plain) mode: block size (\d+)", log)
-    extra = {"blas": blas[1] if blas else "unknown", "mode": f"{mode[1]}, block size {mode[2]}" if mode else "unknown"}
+    extra = {"blas": blas[1] if blas else "unknown", "mode": f"{mode[1]}, block size {mode[2]}" if mode else "unknown",
+             "weights": "q4_1" if "weights: q4_1" in log else "fp32"}  # what it serves, as it logged
     return server, Contender(lambda n: server.decode(prompts.chat, n),
                              lambda: server.prefill(prompts.text(plan.prefill_tokens)), extra)
 
@@ -165,21 +166,15 @@ async def runtime_decode(runtime: Any, prompts: Prompts, n: int) -> Trace:
     return trace
 
 
-def start_in_process(plan: Plan, prompts: Prompts, model_dir: Path, stack: ExitStack) -> tuple[Contender, int]:
-    """The server's Runtime and engine in this process, driven directly (no gRPC).
-
-    Returns:
-        (the contender, fp32 weight bytes of the model).
-    """
+def start_in_process(plan: Plan, prompts: Prompts, stack: ExitStack) -> Contender:
+    """The server's Runtime and engine (its default weights) in this process, driven directly (no gRPC)."""
     from inference_engine.config import ServerConfig
-    from inference_engine.model.loader import load_model
     from inference_engine.runtime.runtime import Runtime
     from inference_engine.runtime.types import AppendParams, CreateSessionParams
-    from inference_engine.server.server import build_engine
+    from inference_engine.server.server import build_engine, engine_weights
 
     cfg = ServerConfig(port=0, default_window=plan.window, max_sessions=plan.sessions)
-    loaded = load_model(model_dir)
-    engine = build_engine(cfg, loaded)
+    engine = build_engine(cfg)
     runtime = Runtime(engine, cfg)
 
     async def decode(n: int) -> Trace:
@@ -197,9 +192,8 @@ def start_in_process(plan: Plan, prompts: Prompts, model_dir: Path, stack: ExitS
     stack.callback(loop.close)
     stack.callback(engine.close)
     mode = f"{'exact' if engine.is_exact else 'plain'}, block size {engine.block}"
-    contender = Contender(lambda n: loop.run_until_complete(decode(n)), lambda: loop.run_until_complete(prefill()),
-                          {"mode": mode})
-    return contender, mlx_weight_bytes(loaded.model)
+    return Contender(lambda n: loop.run_until_complete(decode(n)), lambda: loop.run_until_complete(prefill()),
+                     {"mode": mode, "weights": engine_weights(engine)})
 
 
 # ---------------------------------------------------------------------------- shard pipeline (--pipeline)
@@ -207,7 +201,7 @@ def start_in_process(plan: Plan, prompts: Prompts, model_dir: Path, stack: ExitS
 PIPELINE_RANGES = ("0:10", "10:20", "20:30")  # head / middle / tail of the 30-block SmolLM2-135M
 
 
-def measure_pipeline(plan: Plan, prompts: Prompts, model_dir: Path) -> dict[str, Any]:
+def measure_pipeline(plan: Plan, prompts: Prompts) -> dict[str, Any]:
     """Greedy decode tok/s over a 3-worker shard route vs the same Runtime in one process.
 
     Three `shard-worker` subprocesses (PIPELINE_RANGES, started at the single process's
@@ -217,13 +211,11 @@ def measure_pipeline(plan: Plan, prompts: Prompts, model_dir: Path) -> dict[str,
     one after another, head first, so a step costs the sum of its hops).
     """
     from inference_engine.config import ServerConfig
-    from inference_engine.model.loader import load_model
     from inference_engine.runtime.runtime import Runtime
     from inference_engine.server.server import build_engine, connect_shards
 
     cfg = ServerConfig(port=0, default_window=plan.window, max_sessions=2, draft_model=None)
-    loaded = load_model(model_dir)
-    engines = {"single_process": build_engine(cfg, loaded), "pipeline": build_engine(cfg, loaded)}
+    engines = {"single_process": build_engine(cfg), "pipeline": build_engine(cfg)}  # default weights, as the workers
     block = engines["single_process"].block
     workers = [subprocess.Popen([sys.executable, "-m", "inference_engine", "shard-worker", "--layers", r,
                                  "--port", "0", "--block", str(block)],

@@ -74,9 +74,11 @@ def print_table(report: dict[str, Any]) -> None:
     print(f"AppendTokens({a['tokens']}) ms: " + ", ".join(
         f"history {a[k]['history']}: {fmt(a[k]['ms'], 2)}" for k in ("short", "filled", "long"))
         + f"; long/filled {a['long_over_filled']:.2f}, long/short {a['long_over_short']:.2f}")
-    m = report["server_rss"]
-    rss = ", ".join(f"{k.removesuffix('_mib')} {v:.0f}" for k, v in m.items() if k.endswith("_mib"))
-    print(f"server RSS MiB: {rss}; KV per session {m['kv_bytes_per_session'] / 2**20:.1f} MiB")
+    for key in ("server_rss", "server_rss_fp32"):
+        if key in report:
+            m = report[key]
+            rss = ", ".join(f"{k.removesuffix('_mib')} {v:.0f}" for k, v in m.items() if k.endswith("_mib"))
+            print(f"{key.replace('_', ' ')} MiB: {rss}; KV per session {m['kv_bytes_per_session'] / 2**20:.1f} MiB")
 
 
 def build_report(plan: Plan, quick: bool, model_dir: Path, gguf: Path, bandwidth: dict[str, float],
@@ -89,11 +91,15 @@ def build_report(plan: Plan, quick: bool, model_dir: Path, gguf: Path, bandwidth
     limit = {"bandwidth_gb_s": bandwidth["gb_s"], **{f"weight_bytes_{k}": v for k, v in weights.items()},
              **{f"tok_s_{k}": bandwidth["gb_s"] * 1e9 / v for k, v in weights.items()}}
     reference = results["in_process"].decode[0].tokens
-    engines = {name: engine_figures(r, plan, limit["tok_s_gguf" if name == "llama_cpp" else "tok_s_fp32"],
-                                    None if name == "llama_cpp" else reference)
+
+    def limit_of(name: str, r: EngineResult) -> float:  # the bytes the engine reads per token
+        return limit["tok_s_gguf" if name == "llama_cpp" or r.extra.get("weights") == "q4_1" else "tok_s_fp32"]
+
+    engines = {name: engine_figures(r, plan, limit_of(name, r), None if name == "llama_cpp" else reference)
                for name, r in results.items()}
     med = {k: e["decode_tok_s"]["median"] for k, e in engines.items() if e["available"]}
-    pairs = [("server", "in_process"), ("in_process", "mlx_lm"), ("server", "mlx_lm"), ("in_process", "llama_cpp")]
+    pairs = [("server", "in_process"), ("in_process", "mlx_lm"), ("server", "mlx_lm"), ("in_process", "llama_cpp"),
+             ("server", "llama_cpp"), ("server", "server_fp32")]
     ratios = {f"{a}/{b}": med[a] / med[b] for a, b in pairs if a in med and b in med}
     per_token = {k: e["per_token_ms"]["median"] for k, e in engines.items() if e["available"]}
     if llama_build_s is not None:
@@ -113,6 +119,30 @@ def build_report(plan: Plan, quick: bool, model_dir: Path, gguf: Path, bandwidth
         "append_latency": append,
         "server_rss": rss,
     }
+
+
+Q4_1_TARGETS = {  # issue 12: ratios from one run
+    "decode_over_llama_cpp": ">= 0.8 (moonshot >= 1.0)",
+    "aggregate_8_over_llama_cpp_single": ">= 2.0",
+    "prefill_over_fp32_server": ">= 1.0",
+    "idle_rss_over_fp32_server": "<= 0.4",
+}
+
+
+def q4_1_targets(report: dict[str, Any]) -> dict[str, Any]:
+    """The q4_1 server against its targets: llama.cpp's decode, the fp32 server's prefill and memory."""
+    eng, conc = report["engines"], report["concurrency"]["aggregate"]
+    server, fp32, llama = eng["server"], eng["server_fp32"], eng.get("llama_cpp", {"available": False})
+    ratios = {
+        "prefill_over_fp32_server": server["prefill_tok_s"]["median"] / fp32["prefill_tok_s"]["median"],
+        "idle_rss_over_fp32_server": report["server_rss"]["idle_mib"] / report["server_rss_fp32"]["idle_mib"],
+    }
+    if llama["available"]:
+        ratios["decode_over_llama_cpp"] = server["decode_tok_s"]["median"] / llama["decode_tok_s"]["median"]
+        ratios["aggregate_8_over_llama_cpp_single"] = conc["many"]["tok_s"] / llama["decode_tok_s"]["median"]
+    return {"weights": server.get("weights"), "ratios": ratios, "targets": Q4_1_TARGETS,
+            "same_tokens_as_fp32": server["greedy_prefix_agreement"] == fp32["greedy_prefix_agreement"]
+            == server["new_tokens"]}
 
 
 def _cpu_name() -> str:

@@ -39,6 +39,7 @@ class WorkerFlags:
     max_sessions: int  # route sessions per worker
     max_sink: int  # largest sink
     max_window: int  # largest window
+    weights: str = "q4_1"  # --weights: what the server itself serves (q4_1 or fp32)
 
 
 class WorkerSupervisor:
@@ -83,7 +84,7 @@ class WorkerSupervisor:
         f = self.flags
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "inference_engine", "shard-worker", "--layers", self.layer_ranges[i],
-            "--host", f.host, "--port", str(port), "--model", f.model, "--block", str(f.block),
+            "--host", f.host, "--port", str(port), "--model", f.model, "--weights", f.weights, "--block", str(f.block),
             "--max-sessions", str(f.max_sessions),
             "--max-sink", str(f.max_sink), "--max-window", str(f.max_window),
             "--parent-pid", str(os.getpid()),  # a server killed outright does not leave its workers behind

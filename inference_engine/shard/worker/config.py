@@ -9,7 +9,7 @@ import argparse
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from inference_engine.config import DEFAULT_MAX_TILE, default_cache_dir
+from inference_engine.config import DEFAULT_MAX_TILE, add_weights_flag, default_cache_dir
 from inference_engine.model.packaged import DEFAULT_MODEL
 from inference_engine.security.flags import add_server_security_flags, check_exposure, server_security_from_args
 from inference_engine.security.settings import ServerSecurity
@@ -24,6 +24,7 @@ class ShardWorkerConfig:
     host: str = "127.0.0.1"  # address to bind
     port: int = 50061  # 0 picks a free port
     model: str = DEFAULT_MODEL  # packaged model name or mlx-lm folder
+    weights: str = "q4_1"  # q4_1 (the GGUF's blocks, exact q4 kernel) or fp32: bitwise the same activations
     cache_dir: Path = field(default_factory=default_cache_dir)  # converted-model cache
     block: int = 0  # rows per forward chunk; 0 = probe the exact tile at start-up
     max_tile: int = DEFAULT_MAX_TILE  # largest block size the probe tries (as the server's)
@@ -44,6 +45,7 @@ def add_worker_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default=d.host)
     parser.add_argument("--port", type=int, default=d.port, help="0 = pick a free port")
     parser.add_argument("--model", default=d.model, help="packaged model name or an mlx-lm folder")
+    add_weights_flag(parser, d.weights)
     parser.add_argument("--block", type=int, default=d.block, help="rows per chunk; 0 = probe the exact tile")
     parser.add_argument("--max-tile", type=int, default=d.max_tile)
     parser.add_argument("--max-rollback", type=int, default=d.max_rollback)
@@ -65,7 +67,7 @@ def worker_config_from_args(args: argparse.Namespace) -> ShardWorkerConfig:
             non-loopback --host lacks TLS and authentication without --insecure-public.
     """
     cfg = ShardWorkerConfig(
-        layers=LayerRange.parse(args.layers), host=args.host, port=args.port, model=args.model,
+        layers=LayerRange.parse(args.layers), host=args.host, port=args.port, model=args.model, weights=args.weights,
         cache_dir=default_cache_dir(), block=args.block, max_tile=args.max_tile, max_rollback=args.max_rollback,
         max_sessions=args.max_sessions, max_sink=args.max_sink, max_window=args.max_window,
         max_credits=args.max_credits, grace_s=args.grace, parent_pid=args.parent_pid,

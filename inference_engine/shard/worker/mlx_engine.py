@@ -21,6 +21,7 @@ import numpy as np
 from inference_engine.blas import active_blas
 from inference_engine.errors import InvalidRequest, InvariantViolation, PoolExhausted, SessionNotFound
 from inference_engine.model.forward import Span, forward
+from inference_engine.model.gguf_blocks import has_blocks
 from inference_engine.model.loader import load_weights, model_fingerprint, spec_of
 from inference_engine.shard.protocol.errors import WorkCancelled
 from inference_engine.shard.protocol.types import (
@@ -33,7 +34,7 @@ from inference_engine.shard.protocol.types import (
 )
 from inference_engine.shard.worker.engine import ShardEngine
 from inference_engine.verifier.kv_cache import CacheGeometry, SinkWindowKVCache
-from inference_engine.verifier.tile_probe import probe_tile
+from inference_engine.verifier.tile_probe import fp32_mismatches, probe_tile
 
 _NUMPY_DTYPE = {mx.float32: "float32", mx.float16: "float16"}
 
@@ -103,12 +104,17 @@ class MlxShardEngine(ShardEngine):
         inner = model.model
         used = [inner.embed_tokens, inner.norm, *inner.layers[self.layers.start : self.layers.end]]
         mx.eval([m.parameters() for m in used + ([model.lm_head] if hasattr(model, "lm_head") else [])])
-        block = self._block
+        block, mismatches = self._block, ()
         if block <= 0:
             probe = probe_tile(model, max_candidate=self._max_tile)
             if not probe.is_exact_possible:
                 raise InvariantViolation("tile probe: even single rows are not repeatable on this BLAS")
-            block = probe.tile
+            block, mismatches = probe.tile, probe.mismatches
+        elif has_blocks(model):
+            mismatches = fp32_mismatches(model)  # q4_1 weights: bitwise the fp32 kernel, or refuse to serve
+        if mismatches:
+            raise InvariantViolation(f"the q4_1 kernel differs from the fp32 kernel ({'; '.join(mismatches)}); "
+                                     "serve this worker with --weights fp32")
         act_dtype = inner.embed_tokens(mx.array([[0]], dtype=mx.int32)).dtype
         if act_dtype not in _NUMPY_DTYPE:
             raise ValueError(f"activations of dtype {act_dtype} cannot be carried between workers")

@@ -15,6 +15,7 @@ from inference_engine.blas import active_blas
 from inference_engine.model.packaged import resolve_model_path
 from inference_engine.process_exit import wait_for_stop_signal
 from inference_engine.readiness import announce
+from inference_engine.served_model import load_q4_1_model, q4_1_unavailable, release_start_up_memory
 from inference_engine.shard.worker.config import ShardWorkerConfig, worker_config_from_args
 from inference_engine.shard.worker.engine import ShardEngine
 
@@ -29,15 +30,24 @@ def build_engine(cfg: ShardWorkerConfig) -> ShardEngine:
     from inference_engine.shard.worker.mlx_engine import MlxShardEngine
 
     path = resolve_model_path(cfg.model, cfg.cache_dir)
-    log.info("loading layers %s of %s", cfg.layers, path)
+    source: object = path  # fp32: the folder, of which only this worker's layers are read
+    weights = "fp32"
+    if cfg.weights == "q4_1":
+        why_not = q4_1_unavailable(cfg.model, cfg.cache_dir)
+        if why_not:
+            log.warning("serving fp32 weights, not q4_1: %s", why_not)
+        else:
+            source, weights = load_q4_1_model(cfg.model, cfg.cache_dir).model, "q4_1"
+    log.info("loading layers %s of %s (%s)", cfg.layers, path, weights)
     engine: ShardEngine = MlxShardEngine(
-        path, cfg.layers, block=cfg.block, max_tile=cfg.max_tile, max_rollback=cfg.max_rollback,
-        max_sessions=cfg.max_sessions, max_sink=cfg.max_sink, max_window=cfg.max_window,
+        source, cfg.layers, block=cfg.block, max_tile=cfg.max_tile, max_rollback=cfg.max_rollback,
+        max_sessions=cfg.max_sessions, max_sink=cfg.max_sink, max_window=cfg.max_window, name=path.name,
     )
     engine.load()
+    release_start_up_memory()
     caps = engine.capabilities()
-    log.info("layers %s of %d, block %d, head=%s tail=%s", caps.layers, caps.num_layers, caps.max_block,
-             caps.is_head, caps.is_tail)
+    log.info("layers %s of %d, block %d, head=%s tail=%s, weights %s", caps.layers, caps.num_layers, caps.max_block,
+             caps.is_head, caps.is_tail, weights)
     return engine
 
 

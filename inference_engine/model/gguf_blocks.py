@@ -1,0 +1,232 @@
+"""Serving the GGUF's own blocks: linears and the tied embedding read Q4_1/Q8_0 bytes, not fp32.
+
+The fp32 model (gguf_convert.py) is every GGUF tensor dequantized by gguf-py in fp32 and the
+Q/K rows un-permuted. Here the same tensors are kept as their raw blocks (uint8 rows of
+20-byte Q4_1 / 34-byte Q8_0 blocks, one row per output feature, rows un-permuted the same
+way) and multiplied by a kernel (`QMatmul`, the MLX extension of `quant_kernel.py`) that
+dequantizes them with the converter's arithmetic and reduces in the fp32 kernel's order: the
+logits are bitwise those of the fp32 model, at 1/5.5 of the bytes. The embedding lookup
+dequantizes the gathered rows with MLX ops doing the converter's roundings. Nothing of the
+fp32 model is kept: its folder gives the architecture, config and tokenizer, its (lazy)
+weights are never read.
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from inference_engine.model.gguf_convert import _hf_name, _unpermute_rows
+
+QMatmul = Callable[[mx.array, mx.array, int], mx.array]  # (x (..., K), blocks (N, bytes), fmt) -> (..., N)
+Q4_1, Q8_0 = 3, 8  # ggml type ids
+BLOCK = 32  # weights per block
+BLOCK_BYTES = {Q4_1: 20, Q8_0: 34}
+FORMAT_NAMES = {Q4_1: "Q4_1", Q8_0: "Q8_0"}
+
+
+def dequantize_blocks(blocks: np.ndarray, fmt: int) -> np.ndarray:
+    """The converter's fp32 weights of `blocks` (uint8 (N, bytes)): gguf-py's own dequantization."""
+    import gguf
+
+    return np.asarray(gguf.dequantize(blocks, gguf.GGMLQuantizationType(fmt)), dtype=np.float32)
+
+
+class BlockLinear(nn.Module):
+    """x @ W.T with W stored as GGUF blocks; bitwise nn.Linear over the dequantized W."""
+
+    def __init__(self, blocks: mx.array, fmt: int, in_features: int, qmatmul: QMatmul):
+        """
+        Args:
+            blocks: uint8 (out_features, in_features / 32 * block bytes), one row per output feature.
+            fmt: ggml type id (Q4_1 or Q8_0).
+            qmatmul: the kernel computing x @ dequant(blocks).T.
+        """
+        super().__init__()
+        if fmt not in BLOCK_BYTES or blocks.shape[1] * BLOCK != in_features * BLOCK_BYTES[fmt]:
+            raise ValueError(f"blocks of shape {tuple(blocks.shape)} are not {in_features} features of ggml type {fmt}")
+        self.blocks = blocks
+        self.fmt = fmt
+        self.in_features = in_features
+        self.qmatmul = qmatmul
+
+    @property
+    def out_features(self) -> int:
+        """Rows of W."""
+        return int(self.blocks.shape[0])
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.qmatmul(x, self.blocks, self.fmt)
+
+    def dequantized(self) -> mx.array:
+        """W in fp32 as the converter made it (the fp32 model's weight): a copy, for checks only."""
+        return mx.array(dequantize_blocks(np.array(self.blocks), self.fmt))
+
+
+class BlockEmbedding(nn.Module):
+    """A (tied) embedding stored as GGUF blocks: lookup and LM head (`as_linear`)."""
+
+    def __init__(self, blocks: mx.array, fmt: int, dims: int, qmatmul: QMatmul):
+        super().__init__()
+        if fmt not in BLOCK_BYTES or blocks.shape[1] * BLOCK != dims * BLOCK_BYTES[fmt]:
+            raise ValueError(f"blocks of shape {tuple(blocks.shape)} are not {dims} dims of ggml type {fmt}")
+        self.blocks = blocks
+        self.fmt = fmt
+        self.dims = dims
+        self.qmatmul = qmatmul
+
+    def __call__(self, ids: mx.array) -> mx.array:
+        """Rows `ids` dequantized: (..., dims) float32, bitwise the fp32 embedding's rows."""
+        rows = self.blocks[ids]  # (..., bytes)
+        groups = rows.reshape(*ids.shape, self.dims // BLOCK, BLOCK_BYTES[self.fmt])  # (..., blocks, bytes)
+        d = mx.view(groups[..., 0:2], mx.float16).astype(mx.float32)  # (..., blocks, 1)
+        if self.fmt == Q8_0:
+            q = mx.view(groups[..., 2:], mx.int8).astype(mx.float32)  # (..., blocks, 32)
+            w = q * d  # gguf-py: x * d, one rounding (exact here)
+        else:
+            m = mx.view(groups[..., 2:4], mx.float16).astype(mx.float32)
+            nibbles = groups[..., 4:]  # (..., blocks, 16): weight i low nibble, 16 + i high nibble
+            q = mx.concatenate([nibbles & 15, nibbles >> 4], axis=-1).astype(mx.float32)
+            w = d * q + m  # two ops, two roundings (not compiled: never fused), as gguf-py's (d * qs) + m
+        return w.reshape(*ids.shape, self.dims)
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        """x @ E.T: the tied LM head."""
+        return self.qmatmul(x, self.blocks, self.fmt)
+
+    def dequantized(self) -> mx.array:
+        """E in fp32 as the converter made it (a copy, for checks only)."""
+        return mx.array(dequantize_blocks(np.array(self.blocks), self.fmt))
+
+
+def has_blocks(model: nn.Module) -> bool:
+    """Some of the model's weights are stored as GGUF blocks."""
+    return isinstance(model.model.embed_tokens, BlockEmbedding) or any(
+        isinstance(m, BlockLinear) for _, m in model.named_modules())
+
+
+def _parent(model: nn.Module, path: str) -> tuple[object, str]:
+    *parents, leaf = path.split(".")
+    obj: object = model
+    for p in parents:
+        obj = obj[int(p)] if isinstance(obj, list) else getattr(obj, p)
+    return obj, leaf
+
+
+@dataclass(frozen=True)
+class GgufTensor:
+    """Where one tensor's bytes are in a GGUF file."""
+
+    name: str  # GGUF tensor name, e.g. blk.3.attn_q.weight
+    kind: int  # ggml type id (0 = F32, 3 = Q4_1, 8 = Q8_0, ...)
+    shape: tuple[int, ...]  # numpy order (rows first): the reverse of GGUF's ne
+    offset: int  # byte offset of the data in the file
+    row_bytes: int  # bytes of one row (the last dimension)
+
+
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_TYPE_SIZES = {0: (1, 4), 1: (1, 2), Q4_1: (BLOCK, BLOCK_BYTES[Q4_1]), Q8_0: (BLOCK, BLOCK_BYTES[Q8_0])}
+
+
+def read_gguf_tensors(path: Path) -> list[GgufTensor]:
+    """The tensor directory of a GGUF file (v2/v3, little-endian): names, types, shapes, offsets.
+
+    gguf-py's GGUFReader also parses every metadata field into numpy views (seconds for a
+    49k-token vocabulary); this reads past the metadata and returns the directory only.
+
+    Raises:
+        ValueError: not a GGUF file, or a type this reader cannot size.
+    """
+    with path.open("rb") as f:
+        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        magic, version, n_tensors, n_kv = struct.unpack_from("<4sIQQ", buf, 0)
+        if magic != b"GGUF" or version < 2:
+            raise ValueError(f"{path} is not a GGUF v2+ file")
+        pos, alignment = 24, 32
+
+        def string(at: int) -> tuple[str, int]:
+            (n,) = struct.unpack_from("<Q", buf, at)
+            return bytes(buf[at + 8 : at + 8 + n]).decode("utf-8", "replace"), at + 8 + n
+
+        def skip(kind: int, at: int) -> int:
+            if kind == 8:
+                return string(at)[1]
+            if kind == 9:
+                item, count = struct.unpack_from("<IQ", buf, at)
+                at += 12
+                if item in _SCALARS:
+                    return at + count * struct.calcsize("<" + _SCALARS[item])
+                for _ in range(count):
+                    at = skip(item, at)
+                return at
+            return at + struct.calcsize("<" + _SCALARS[kind])
+
+        for _ in range(n_kv):
+            key, pos = string(pos)
+            (kind,) = struct.unpack_from("<I", buf, pos)
+            if key == "general.alignment":
+                (alignment,) = struct.unpack_from("<I", buf, pos + 4)
+            pos = skip(kind, pos + 4)
+        infos = []
+        for _ in range(n_tensors):
+            name, pos = string(pos)
+            (n_dims,) = struct.unpack_from("<I", buf, pos)
+            ne = struct.unpack_from(f"<{n_dims}Q", buf, pos + 4)
+            kind, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * n_dims)
+            pos += 4 + 8 * n_dims + 12
+            if kind not in _TYPE_SIZES:
+                raise ValueError(f"{name}: ggml type {kind} is not one this reader can size")
+            per, size = _TYPE_SIZES[kind]
+            infos.append((name, kind, tuple(int(n) for n in reversed(ne)), offset, int(ne[0]) // per * size))
+        data = (pos + alignment - 1) // alignment * alignment
+        return [GgufTensor(name, kind, shape, data + offset, row) for name, kind, shape, offset, row in infos]
+    finally:
+        buf.close()
+
+
+def load_gguf_blocks(model: nn.Module, gguf_path: Path, qmatmul: QMatmul) -> None:
+    """Give `model` (an mlx-lm llama built from the converted folder) the GGUF's own tensors.
+
+    Quantized linears become BlockLinear, the embedding BlockEmbedding, float tensors (norms)
+    plain fp32 arrays; Q/K rows are un-permuted exactly as the converter did.
+
+    Raises:
+        ValueError: a tensor type other than F32/Q4_1/Q8_0, a tensor the model does not have,
+            or a model parameter the GGUF does not provide.
+    """
+    args = model.args
+    heads = {"attn_q": int(args.num_attention_heads), "attn_k": int(args.num_key_value_heads)}
+    replaced: set[str] = set()
+    for t in read_gguf_tensors(gguf_path):
+        name = _hf_name(t.name)  # e.g. model.layers.3.self_attn.q_proj.weight
+        n_heads = next((n for key, n in heads.items() if f".{key}." in t.name), None)
+        rows = int(np.prod(t.shape[:-1]))
+        data = np.fromfile(gguf_path, np.uint8, rows * t.row_bytes, offset=t.offset).reshape(rows, t.row_bytes)
+        if t.kind == 0:  # F32 (norms): as they are
+            parent, leaf = _parent(model, name)
+            setattr(parent, leaf, mx.array(data.view(np.float32).reshape(t.shape)))
+            replaced.add(name)
+            continue
+        if t.kind not in BLOCK_BYTES:
+            raise ValueError(f"{t.name} has ggml type {t.kind}; serving blocks supports Q4_1, Q8_0 and F32 tensors")
+        if n_heads is not None:
+            data = _unpermute_rows(data, n_heads)  # (out features, bytes) in the converter's row order
+        module_path = name.rsplit(".", 1)[0]
+        parent, leaf = _parent(model, module_path)
+        kind = BlockEmbedding if leaf == "embed_tokens" else BlockLinear
+        setattr(parent, leaf, kind(mx.array(data), t.kind, t.shape[-1], qmatmul))
+        replaced.add(module_path + ".blocks")
+    from mlx.utils import tree_flatten
+
+    missing = [k for k, _ in tree_flatten(model.parameters()) if k not in replaced]
+    if missing:
+        raise ValueError(f"the GGUF provides no tensor for {missing[:3]} ({len(missing)} parameters)")
+    mx.eval(model.parameters())

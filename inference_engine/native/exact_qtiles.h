@@ -1,0 +1,88 @@
+/*
+ * exact_qtiles.h: the quantized-weight column loop, instantiated once per instruction set.
+ *
+ * Included by exact_gemm.c with QV(name) (the variant's suffix), QTARGET (its target
+ * attribute), WIDEN_U8/WIDEN_S8 (8 bytes -> 8 int32 lanes) and HALVES(p, &a, &b) (the fp16 at
+ * p and p + 2 as floats in every lane of a and b) defined. Only these moves differ between
+ * variants (GCC's vector extensions scalarize them; AVX2 gets vpmovzxbd/vpmovsxbd and F16C's
+ * vcvtph2ps); they are exact either way (every fp16 is a float), and every floating-point
+ * operation is the shared code of ggml_blocks.h and exact_dot.h.
+ */
+
+/* One GGUF block's 32 weights as 4 vectors, dequantized as the converter did. */
+QTARGET INLINE void QV(block)(int fmt, const uint8_t *blk, v8 w[4]) {
+    v8 d, m;
+    HALVES(blk, &d, &m); /* Q8_0: m is the first two int8s, unused */
+    if (fmt == GGML_Q4_1) {
+        q4_1_weights(d, m, WIDEN_U8(blk + Q4_1_NIBBLES), WIDEN_U8(blk + Q4_1_NIBBLES + 8), w);
+    } else {
+        const uint8_t *q = blk + Q8_0_INTS;
+        v8i ints[4] = {WIDEN_S8(q), WIDEN_S8(q + 8), WIDEN_S8(q + 16), WIDEN_S8(q + 24)};
+        q8_0_weights(d, ints, w);
+    }
+}
+
+/* One row of A x `cols` (<= 4) quantized weight rows, full K, each block dequantized in registers and
+ * multiplied in the fp32 tiles' order (lane j: k = j, j+8, ... increasing). */
+QTARGET INLINE void QV(qtile_1)(const struct job *j, int n0, int cols, int fmt) {
+    enum { C = 4 };
+    const int bytes = ggml_block_bytes(fmt), blocks = j->k / GGML_QK;
+    const uint8_t *w = j->q + (size_t)n0 * j->ldq;
+    v8 acc[C];
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c)
+        acc[c] = (v8){0};
+    for (int b = 0; b < blocks; ++b) {
+        const float *a = j->a + GGML_QK * b;
+        v8 x[4] = {load8(a), load8(a + 8), load8(a + 16), load8(a + 24)};
+#pragma GCC unroll 4
+        for (int c = 0; c < cols; ++c) { /* cols: a constant after inlining */
+            v8 wv[4];
+            QV(block)(fmt, w + c * j->ldq + (size_t)b * bytes, wv);
+#pragma GCC unroll 4
+            for (int g = 0; g < 4; ++g)
+                acc[c] = dot_step(acc[c], x[g], wv[g]);
+        }
+    }
+    for (int c = 0; c < cols; ++c)
+        j->c[n0 + c] = hsum8(acc[c]); /* alpha 1, beta 0: scale_add would be the identity */
+}
+
+/* Rows [n0, n1) of W dequantized into `out` (n1 - n0 rows of k floats). */
+QTARGET INLINE void QV(dequantize_rows)(const struct job *j, int n0, int n1, float *out, int fmt) {
+    const int bytes = ggml_block_bytes(fmt), blocks = j->k / GGML_QK;
+    for (int n = n0; n < n1; ++n)
+        for (int b = 0; b < blocks; ++b) {
+            v8 wv[4];
+            QV(block)(fmt, j->q + (size_t)n * j->ldq + (size_t)b * bytes, wv);
+            memcpy(out + (size_t)(n - n0) * j->k + GGML_QK * b, wv, sizeof wv);
+        }
+}
+
+/* Columns [n0, n1) of every row, for one format (a constant after inlining). */
+QTARGET INLINE void QV(run_q_fmt)(const struct job *j, int n0, int n1, int fmt) {
+    int n = n0;
+    if (j->m == 1) {
+        for (; n + 4 <= n1; n += 4)
+            QV(qtile_1)(j, n, 4, fmt);
+        for (; n < n1; ++n)
+            QV(qtile_1)(j, n, 1, fmt);
+        return;
+    }
+    float *rows = dequant_scratch(3 * (size_t)j->k);
+    for (; n < n1; n += 3) {
+        int cols = n1 - n < 3 ? n1 - n : 3;
+        QV(dequantize_rows)(j, n, n + cols, rows, fmt);
+        /* The fp32 case's own tiles over the dequantized rows: the same per-element code. */
+        struct job f = {1, j->m, cols, j->k, 1.0f, 0.0f, j->a, rows, j->c + n, j->lda, (size_t)j->k, j->ldc, 0, NULL, 0};
+        for (int i = 0; i < j->m; i += 4)
+            tile_nt(&f, j->m - i < 4 ? j->m - i : 4, cols, i, 0, NULL);
+    }
+}
+
+QTARGET static void QV(run_q)(const struct job *j, int n0, int n1) {
+    if (j->fmt == GGML_Q4_1)
+        QV(run_q_fmt)(j, n0, n1, GGML_Q4_1);
+    else
+        QV(run_q_fmt)(j, n0, n1, GGML_Q8_0);
+}

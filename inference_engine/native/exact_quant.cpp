@@ -1,0 +1,127 @@
+// exact_quant: an MLX primitive computing x @ W.T with W read from GGUF Q4_1 / Q8_0 blocks.
+//
+// Why an MLX extension (a custom primitive with a CPU implementation): the product must sit
+// inside MLX's lazy graph, under mx.compile, evaluated on MLX's CPU stream like any matmul,
+// with no copy of the fp32 weights anywhere. The arithmetic itself is not here: eval_cpu
+// calls `exact_qgemm` of the exact-gemm library (native/exact_gemm.c), the same shared object
+// whose cblas_sgemm the launcher preloads in front of OpenBLAS, so both products share one
+// dot-product code (exact_dot.h) and one thread pool. `bind_kernel(path)` dlopen()s that
+// library explicitly (the preloaded copy when there is one); nothing is looked up behind the
+// caller's back, and an unbound module refuses to compute.
+//
+// Python: bind_kernel(path) -> None; is_bound() -> bool;
+//         qmatmul(x, blocks, fmt) -> x @ dequant(blocks).T
+//   x: float32 (..., K); blocks: uint8 (N, K / 32 * block bytes), row n = output feature n;
+//   fmt: ggml type id (3 = Q4_1, 8 = Q8_0). Returns float32 (..., N).
+
+#include <dlfcn.h>
+
+#include <sstream>
+#include <stdexcept>
+#include <string>
+
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/mlx.h"
+#include "mlx/primitives.h"
+
+namespace nb = nanobind;
+namespace mx = mlx::core;
+
+namespace {
+
+using qgemm_fn = int (*)(int fmt, int m, int n, int k, const float* a, long lda, const void* q, long ldq,
+                         float* c, long ldc);
+qgemm_fn kernel = nullptr;  // exact_qgemm of the bound exact-gemm library
+
+constexpr int kQ4_1 = 3, kQ8_0 = 8, kBlock = 32;
+
+int block_bytes(int fmt) { return fmt == kQ4_1 ? 20 : fmt == kQ8_0 ? 34 : 0; }
+
+class ExactQuantMatmul : public mx::UnaryPrimitive {
+ public:
+  ExactQuantMatmul(mx::Stream stream, int fmt) : mx::UnaryPrimitive(stream), fmt_(fmt) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    const mx::array& x = inputs[0];
+    const mx::array& w = inputs[1];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    int k = static_cast<int>(x.shape(-1)), n = static_cast<int>(w.shape(0));
+    int m = static_cast<int>(x.size() / (k ? k : 1));
+    long ldq = static_cast<long>(w.shape(1));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    encoder.set_input_array(x);
+    encoder.set_input_array(w);
+    encoder.set_output_array(out);
+    encoder.dispatch([fmt = fmt_, m, n, k, ldq, a = x.data<float>(), q = w.data<uint8_t>(), c = out.data<float>()]() {
+      if (kernel(fmt, m, n, k, a, k, q, ldq, c, n) != 0)
+        throw std::runtime_error("exact_qgemm refused its arguments");
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("ExactQuantMatmul has a CPU implementation only");
+  }
+
+  const char* name() const override { return "ExactQuantMatmul"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return fmt_ == static_cast<const ExactQuantMatmul&>(other).fmt_;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    mx::Shape shape = inputs[0].shape();
+    shape.back() = inputs[1].shape(0);
+    return {shape};
+  }
+
+ private:
+  int fmt_;  // ggml type id of the blocks
+};
+
+mx::array qmatmul(const mx::array& x, const mx::array& blocks, int fmt) {
+  if (kernel == nullptr)
+    throw std::runtime_error("exact_quant: no kernel bound; call bind_kernel(path of the exact-gemm library) first");
+  int bytes = block_bytes(fmt);
+  if (bytes == 0)
+    throw std::invalid_argument("exact_quant: fmt must be 3 (Q4_1) or 8 (Q8_0), got " + std::to_string(fmt));
+  if (x.dtype() != mx::float32 || x.ndim() < 1)
+    throw std::invalid_argument("exact_quant: x must be float32 with at least one dimension");
+  if (blocks.dtype() != mx::uint8 || blocks.ndim() != 2)
+    throw std::invalid_argument("exact_quant: blocks must be a 2-D uint8 array (out features, block bytes)");
+  auto k = x.shape(-1);
+  if (k % kBlock != 0 || blocks.shape(1) != k / kBlock * bytes) {
+    std::ostringstream msg;
+    msg << "exact_quant: x has " << k << " features but the blocks hold " << blocks.shape(1) << " bytes per row ("
+        << bytes << " per 32 features)";
+    throw std::invalid_argument(msg.str());
+  }
+  mx::Shape shape = x.shape();
+  shape.back() = blocks.shape(0);
+  auto s = mx::to_stream({});
+  return mx::array(shape, mx::float32, std::make_shared<ExactQuantMatmul>(s, fmt),
+                   {mx::contiguous(x, false, s), mx::contiguous(blocks, false, s)});
+}
+
+void bind_kernel(const std::string& path) {
+  void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);  // the preloaded copy if `path` is preloaded
+  if (lib == nullptr)
+    throw std::runtime_error("exact_quant: cannot load " + path + ": " + dlerror());
+  auto fn = reinterpret_cast<qgemm_fn>(dlsym(lib, "exact_qgemm"));
+  if (fn == nullptr)
+    throw std::runtime_error("exact_quant: " + path + " has no exact_qgemm (an older exact-gemm build?)");
+  kernel = fn;
+}
+
+}  // namespace
+
+NB_MODULE(_exact_quant, m) {
+  nb::module_::import_("mlx.core");  // mx.array's bindings, shared through nanobind's domain
+  m.doc() = "x @ W.T with W in GGUF Q4_1/Q8_0 blocks, bitwise the exact-gemm fp32 product";
+  m.def("bind_kernel", &bind_kernel, nb::arg("path"), "Compute with exact_qgemm of this exact-gemm library.");
+  m.def("is_bound", []() { return kernel != nullptr; });
+  m.def("qmatmul", &qmatmul, nb::arg("x"), nb::arg("blocks"), nb::arg("fmt"),
+        "x (..., K) float32 @ dequant(blocks).T, blocks uint8 (N, K/32*bytes): float32 (..., N)");
+}

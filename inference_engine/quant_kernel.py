@@ -1,0 +1,171 @@
+"""The q4_1 kernel: an MLX extension whose primitive reads GGUF Q4_1/Q8_0 blocks (Linux launcher only).
+
+`native/exact_quant.cpp` defines an MLX primitive (`qmatmul(x, blocks, fmt)` = x @ W.T with
+W in GGUF blocks) whose CPU implementation calls `exact_qgemm` of the exact-gemm library
+(`native/exact_gemm.c`): the same shared object, dot-product code and thread pool as the fp32
+`cblas_sgemm` the launcher preloads, so a quantized product is bitwise the fp32 product of the
+dequantized weights. The extension is compiled once with the system C++ compiler against the
+mlx wheel's headers and nanobind (a pinned PyPI package) into `<cache>/native/`, named by the
+hash of everything that goes into it, like the sgemm interposers (`blas.py`).
+
+q4_1 is offered only where its fp32 twin is what the fp32 path computes: Linux, the exact-gemm
+kernel selected and preloaded in this process. Everywhere else `load_quant_kernel` says why
+not, and the caller serves fp32.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.machinery
+import importlib.util
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Callable
+
+from inference_engine.blas import INTERPOSERS, is_preloaded, kernel_library, selected_kernel
+
+log = logging.getLogger(__name__)
+_NATIVE = Path(__file__).resolve().parent / "native"
+MODULE = "_exact_quant"  # the extension's import name (NB_MODULE)
+KERNEL = "exact_gemm"  # the interposer whose exact_qgemm the extension calls
+CXX_FLAGS = ("-std=c++20", "-O2", "-fPIC", "-fvisibility=hidden")
+
+
+@dataclass(frozen=True)
+class QuantKernel:
+    """The loaded extension, bound to the exact-gemm library."""
+
+    qmatmul: Callable  # (x float32 (..., K), blocks uint8 (N, bytes), fmt) -> float32 (..., N)
+    library: str  # path of the exact-gemm library it computes with
+    extension: str  # path of the compiled extension
+
+
+def _toolchain() -> tuple[Path, Path, str] | str:
+    """(nanobind package dir, mlx package dir, python include dir), or why they are missing."""
+    try:
+        import mlx
+        import nanobind
+    except ImportError as exc:
+        return f"cannot import {exc.name} (pip install -r requirements.txt)"
+    mlx_dir = Path(mlx.__path__[0])
+    if not (mlx_dir / "include" / "mlx" / "mlx.h").is_file():
+        return f"the mlx wheel at {mlx_dir} ships no C++ headers"
+    include = sysconfig.get_paths()["include"]
+    if not (Path(include) / "Python.h").is_file():
+        return f"no Python headers at {include}"
+    return Path(nanobind.__file__).parent, mlx_dir, include
+
+
+def extension_path(cache_dir: Path | None = None) -> Path | str:
+    """Path of the compiled extension, building it on first use; or why it cannot be built.
+
+    Built with $CXX (default `c++`): nanobind's own sources and native/exact_quant.cpp, linked
+    against the wheel's libmlx, into <cache>/native/exact_quant-<hash>/, the hash covering the
+    sources, the flags and the mlx, nanobind and Python versions.
+    """
+    found = _toolchain()
+    if isinstance(found, str):
+        return found
+    nb_dir, mlx_dir, py_include = found
+    if cache_dir is None:
+        from inference_engine.config import default_cache_dir
+
+        cache_dir = default_cache_dir()
+    source = _NATIVE / "exact_quant.cpp"
+    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
+    import mlx.core as mx
+    import nanobind
+
+    key = b"".join([source.read_bytes(), " ".join(CXX_FLAGS).encode(), mx.__version__.encode(),
+                    nanobind.__version__.encode(), sys.version.encode(), str(mlx_dir).encode()])
+    target = cache_dir / "native" / f"exact_quant-{hashlib.sha256(key).hexdigest()[:12]}" / f"{MODULE}{suffix}"
+    if target.is_file():
+        return target
+    cxx = shutil.which(os.environ.get("CXX", "c++"))
+    if cxx is None:
+        return f"no C++ compiler ({os.environ.get('CXX', 'c++')})"
+    log.info("building the q4_1 kernel extension into %s (first use; about a minute)", target.parent)
+    work = target.parent.with_name(f"{target.parent.name}.{os.getpid()}.partial")
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    includes = [f"-I{nb_dir / 'include'}", f"-I{nb_dir / 'ext' / 'robin_map' / 'include'}", f"-I{py_include}"]
+    compiles = [  # nanobind's runtime (NB_BUILD), then the module in MLX's nanobind domain (shares mx.array)
+        [cxx, *CXX_FLAGS, "-fno-strict-aliasing", "-DNB_BUILD", *includes, "-c", str(nb_dir / "src" / "nb_combined.cpp"),
+         "-o", str(work / "nb.o")],
+        [cxx, *CXX_FLAGS, "-DNB_DOMAIN=mlx", *includes, f"-I{mlx_dir / 'include'}", "-c", str(source),
+         "-o", str(work / "exact_quant.o")],
+    ]
+    link = [cxx, "-shared", "-o", str(work / target.name), str(work / "exact_quant.o"), str(work / "nb.o"),
+            f"-L{mlx_dir / 'lib'}", "-lmlx", f"-Wl,-rpath,{mlx_dir / 'lib'}"]
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda cmd: subprocess.run(cmd, capture_output=True, text=True), compiles))
+    if all(r.returncode == 0 for r in results):
+        results.append(subprocess.run(link, capture_output=True, text=True))
+    failed = [r for r in results if r.returncode != 0]
+    if failed:
+        shutil.rmtree(work, ignore_errors=True)
+        return f"building the extension failed:\n{failed[0].stderr[-4000:]}"
+    for leftover in ("nb.o", "exact_quant.o"):
+        (work / leftover).unlink()
+    try:
+        work.rename(target.parent)  # atomic: a concurrent build that won leaves its own copy in place
+    except OSError:
+        shutil.rmtree(work, ignore_errors=True)
+    return target
+
+
+def _import(path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(MODULE, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_LOADED: dict[str, QuantKernel] = {}  # one binding per process: the extension module is process-global
+
+
+def load_quant_kernel(cache_dir: Path | None = None) -> QuantKernel | str:
+    """The q4_1 kernel bound to this process's exact-gemm library, or why q4_1 cannot be served here.
+
+    Returns a reason (str) when: not Linux; another kernel than exact-gemm is selected, or it is
+    not preloaded (then this process's fp32 products are not the ones q4_1 reproduces); the
+    library or the extension cannot be built.
+    """
+    if not sys.platform.startswith("linux"):
+        return f"the q4_1 kernel runs behind the Linux launcher's exact-gemm kernel; this is {sys.platform}"
+    try:
+        kernel = selected_kernel()
+    except ValueError as exc:
+        return str(exc)
+    if kernel != KERNEL:
+        return f"INFERENCE_ENGINE_KERNEL={kernel}: q4_1 reproduces the exact-gemm kernel's fp32 products"
+    if not is_preloaded(KERNEL):
+        return "the exact-gemm kernel is not preloaded in this process (start through `python -m inference_engine`)"
+    library = kernel_library(KERNEL, cache_dir)
+    if library is None:
+        return f"the {INTERPOSERS[KERNEL].label} did not build"
+    if library in _LOADED:
+        return _LOADED[library]
+    path = extension_path(cache_dir)
+    if isinstance(path, str):
+        return path
+    module = _import(path)
+    module.bind_kernel(library)
+    _LOADED[library] = QuantKernel(module.qmatmul, library, str(path))
+    return _LOADED[library]
+
+
+if __name__ == "__main__":  # `python -m inference_engine.quant_kernel`: build now (scripts/dev.sh setup)
+    built = extension_path()
+    if isinstance(built, str):
+        sys.exit(f"note: the q4_1 kernel extension is unavailable ({built}); servers will serve fp32")
+    print(built)

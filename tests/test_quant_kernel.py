@@ -1,0 +1,257 @@
+"""The q4_1 kernel through MLX: the extension's primitive, GGUF-block modules, the probe's fp32 check.
+
+Everything here is bitwise: a model served from a GGUF's blocks must compute exactly what the
+converter's fp32 folder computes (a tiny GGUF written by tests/tiny_gguf.py stands in for the
+packaged one), and the probe must notice a kernel that does not.
+"""
+
+import os
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from inference_engine import quant_kernel
+from inference_engine.model.forward import forward
+from inference_engine.model.fused_block import fused_linears
+from inference_engine.model.gguf_blocks import (
+    BLOCK_BYTES,
+    Q4_1,
+    Q8_0,
+    BlockEmbedding,
+    BlockLinear,
+    dequantize_blocks,
+    has_blocks,
+    read_gguf_tensors,
+)
+from inference_engine.model.gguf_convert import convert_gguf
+from inference_engine.model.loader import load_block_model, load_model, model_fingerprint, random_model
+from inference_engine.quant_kernel import load_quant_kernel
+from inference_engine.served_model import load_served_model, q4_1_unavailable
+from inference_engine.verifier.kv_cache import CacheGeometry, SinkWindowKVCache
+from inference_engine.verifier.tile_probe import fp32_mismatches, probe_tile
+from tests.blas_env import linux_openblas
+from tests.test_exact_qgemm import random_blocks
+from tests.tiny_gguf import KV_HEADS, LAYERS, write_tiny_gguf
+
+pytestmark = linux_openblas
+
+
+@pytest.fixture(scope="module")
+def kernel() -> quant_kernel.QuantKernel:
+    found = load_quant_kernel()
+    assert not isinstance(found, str), found  # scripts/run_tests.sh preloads the exact-gemm kernel
+    return found
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory, kernel):
+    """(GGUF path, fp32 folder, the fp32 model, the same model served from the GGUF's blocks)."""
+    root = tmp_path_factory.mktemp("tiny-gguf")
+    gguf = write_tiny_gguf(root / "tiny.gguf")
+    convert_gguf(gguf, root / "fp32")
+    return gguf, root / "fp32", load_model(root / "fp32"), load_block_model(root / "fp32", gguf, kernel.qmatmul)
+
+
+@pytest.mark.parametrize("fmt", [Q4_1, Q8_0], ids=["Q4_1", "Q8_0"])
+def test_qmatmul_is_the_fp32_matmul(kernel, fmt):
+    rng = np.random.default_rng(fmt)
+    blocks = random_blocks(rng, fmt, 200, 96)
+    w = mx.array(dequantize_blocks(blocks, fmt))  # (200, 96) fp32, the converter's weights
+    q = mx.array(blocks)
+    for shape in [(1, 96), (1, 1, 96), (1, 7, 96), (3, 5, 96), (64, 96)]:
+        x = mx.array(rng.standard_normal(shape).astype(np.float32))
+        got = kernel.qmatmul(x, q, fmt)
+        assert got.shape == (*shape[:-1], 200) and got.dtype == mx.float32
+        assert mx.array_equal(got, x @ w.T).item(), shape
+    xt = mx.array(rng.standard_normal((96, 6)).astype(np.float32)).T  # not row-contiguous: copied first
+    x = mx.array(np.ascontiguousarray(xt))  # (MLX's own matmul would hand A^T to OpenBLAS)
+    assert mx.array_equal(kernel.qmatmul(xt, q, fmt), x @ w.T).item()
+    compiled = mx.compile(lambda x, q: mx.maximum(kernel.qmatmul(x, q, fmt), 0.0))  # inside a compiled graph
+    assert mx.array_equal(compiled(x, q), mx.maximum(x @ w.T, 0.0)).item()
+
+
+def test_qmatmul_refuses_bad_arguments(kernel):
+    x = mx.zeros((2, 64))
+    q = mx.array(random_blocks(np.random.default_rng(0), Q4_1, 4, 64))
+    cases = [
+        ((x, q, 2), "fmt must be 3"),
+        ((x.astype(mx.float16), q, Q4_1), "must be float32"),
+        ((x[:, :32], q, Q4_1), "x has 32 features but the blocks hold 40 bytes per row"),
+        ((x, q.reshape(2, 2, 40), Q4_1), "2-D uint8"),
+    ]
+    for args, message in cases:
+        with pytest.raises(ValueError, match=message):
+            kernel.qmatmul(*args)
+
+
+def test_the_kernel_is_loaded_once_per_library(kernel):
+    assert load_quant_kernel() is kernel
+    assert os.path.isfile(kernel.extension) and "/native/exact_quant-" in kernel.extension
+    assert "/native/exact_gemm-" in kernel.library
+
+
+def test_why_q4_1_is_unavailable(monkeypatch):
+    monkeypatch.setenv("INFERENCE_ENGINE_KERNEL", "row_gemv")
+    assert "q4_1 reproduces the exact-gemm kernel's fp32 products" in load_quant_kernel()
+    monkeypatch.setenv("INFERENCE_ENGINE_KERNEL", "fast")
+    assert "is not a kernel" in load_quant_kernel()
+    monkeypatch.delenv("INFERENCE_ENGINE_KERNEL")
+    monkeypatch.setattr(quant_kernel, "is_preloaded", lambda kernel: False)
+    assert "not preloaded" in load_quant_kernel()
+    monkeypatch.setattr(quant_kernel, "kernel_library", lambda kernel, cache_dir=None: None)
+    monkeypatch.setattr(quant_kernel, "is_preloaded", lambda kernel: True)
+    assert "did not build" in load_quant_kernel()
+    monkeypatch.setattr(sys, "platform", "darwin")
+    assert "this is darwin" in load_quant_kernel()
+
+
+def test_extension_build_failures_are_reasons(tmp_path, monkeypatch):
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    assert quant_kernel.extension_path(tmp_path) == "no C++ compiler (/nonexistent/c++)"
+    monkeypatch.setenv("CXX", "false")  # a compiler that always fails
+    assert quant_kernel.extension_path(tmp_path).startswith("building the extension failed")
+    assert not [p for p in (tmp_path / "native").iterdir() if p.suffix != ".partial" or any(p.iterdir())]
+
+
+def test_gguf_directory_matches_gguf_py(tiny_pair):
+    import gguf as gguf_py
+
+    path = tiny_pair[0]
+    ours, theirs = read_gguf_tensors(path), gguf_py.GGUFReader(str(path)).tensors
+    assert [(t.name, t.kind, t.offset, t.shape) for t in ours] == [
+        (t.name, int(t.tensor_type), int(t.data_offset), tuple(int(n) for n in reversed(t.shape))) for t in theirs]
+    assert [t.row_bytes * int(np.prod(t.shape[:-1])) for t in ours] == [int(t.n_bytes) for t in theirs]
+    with pytest.raises(ValueError, match="not a GGUF"):
+        read_gguf_tensors(tiny_pair[1] / "config.json")
+
+
+def test_tiny_gguf_served_from_blocks_is_the_converted_model(tiny_pair):
+    _, _, fp32, blocks = tiny_pair
+    inner = blocks.model.model
+    assert isinstance(inner.embed_tokens, BlockEmbedding) and inner.embed_tokens.fmt == Q8_0
+    assert all(isinstance(m, BlockLinear) and m.fmt == Q4_1 for m in fused_linears(blocks.model))
+    assert has_blocks(blocks.model) and not has_blocks(fp32.model)
+    assert blocks.spec == fp32.spec and model_fingerprint(blocks.model) == model_fingerprint(fp32.model)
+    ids = mx.array([[0, 5, 255, 17]])
+    assert mx.array_equal(inner.embed_tokens(ids), fp32.model.model.embed_tokens(ids)).item()
+
+    def logits(model, tokens, sizes):
+        cache = [SinkWindowKVCache(CacheGeometry(4, 16, 8, 4), KV_HEADS, 16) for _ in range(LAYERS)]
+        out, at = [], 0
+        for n in sizes:
+            out.append(forward(model.model, tokens[at : at + n], cache))
+            at += n
+        return mx.concatenate(out), [c.digest() for c in cache]
+
+    tokens = np.random.default_rng(2).integers(0, 256, 40).tolist()
+    want, want_digests = logits(fp32, tokens, [40])
+    for sizes in ([40], [1] * 40, [3, 8, 1, 20, 8]):  # the ring wraps (sink 4 + window 16)
+        got, digests = logits(blocks, tokens, sizes)
+        assert mx.array_equal(got, want).item() and digests == want_digests, sizes
+
+
+def test_probe_checks_every_block_shape_against_fp32(tiny_pair):
+    _, _, _, blocks = tiny_pair
+    probe = probe_tile(blocks.model, max_candidate=8)
+    assert probe.tile == 8 and probe.failures == () and probe.is_fp32_equal
+    assert probe.block_shapes == ((64, 32), (64, 64), (64, 128), (64, 256), (128, 64))  # fused 64->128 too
+
+
+def test_probe_catches_a_kernel_that_is_not_the_fp32_one(tiny_pair, kernel):
+    """Negative control: a q4 product reduced in another order than the fp32 kernel's."""
+    _, _, _, blocks = tiny_pair
+
+    def split_k(x, q, fmt):  # the same weights, K summed in two halves: other roundings
+        half = q.shape[1] // 2
+        k = x.shape[-1] // 2
+        return kernel.qmatmul(x[..., :k], q[:, :half], fmt) + kernel.qmatmul(x[..., k:], q[:, half:], fmt)
+
+    down = blocks.model.model.layers[0].mlp.down_proj
+    good = down.qmatmul
+    try:
+        down.qmatmul = split_k
+        found = fp32_mismatches(blocks.model, rows=8)
+    finally:
+        down.qmatmul = good
+    assert len(found) == 1 and found[0].startswith("128->64: M=8 rows [-1, 0, 1, 2] differ from the fp32 kernel")
+    assert fp32_mismatches(blocks.model, rows=8) == () and fp32_mismatches(random_model().model) == ()
+
+
+def test_block_embedding_rows_in_both_formats(kernel):
+    rng = np.random.default_rng(8)
+    for fmt in (Q4_1, Q8_0):
+        blocks = random_blocks(rng, fmt, 50, 64)
+        embed = BlockEmbedding(mx.array(blocks), fmt, 64, kernel.qmatmul)
+        ids = mx.array([[3, 0, 49, 3]])
+        assert mx.array_equal(embed(ids)[0], mx.array(dequantize_blocks(blocks, fmt))[ids[0]]).item()
+        x = mx.array(rng.standard_normal((2, 64)).astype(np.float32))
+        assert mx.array_equal(embed.as_linear(x), x @ embed.dequantized().T).item()
+    with pytest.raises(ValueError, match="not 64 dims of ggml type 8"):
+        BlockEmbedding(mx.array(blocks[:, :40]), Q8_0, 64, kernel.qmatmul)
+    with pytest.raises(ValueError, match="not 32 features of ggml type 2"):
+        BlockLinear(mx.zeros((4, 18), dtype=mx.uint8), 2, 32, kernel.qmatmul)
+    assert BLOCK_BYTES == {Q4_1: 20, Q8_0: 34}
+
+
+def test_served_model_weights_choices(tiny_pair):
+    _, folder, _, _ = tiny_pair
+    with pytest.raises(ValueError, match="--weights 'int8' is not one of q4_1, fp32"):
+        load_served_model(str(folder), "int8", folder)
+    why = q4_1_unavailable(str(folder), folder)
+    assert why.startswith(f"q4_1 reads the GGUF the model was converted from; --model {folder} has none")
+    served = load_served_model(str(folder), "q4_1", folder)  # a folder model: fp32, and why
+    assert served.weights == "fp32" and served.note == why and not has_blocks(served.loaded.model)
+    assert load_served_model(str(folder), "fp32", folder).note == ""
+
+
+@pytest.fixture
+def served_tiny(tiny_pair, kernel, monkeypatch):
+    """build_engine's model loading replaced by the tiny pair: q4_1 from blocks, fp32 from the folder."""
+    from inference_engine.server import server
+    from inference_engine.served_model import ServedModel
+
+    _, _, fp32, blocks = tiny_pair
+    calls = []
+
+    def load(model, weights, cache_dir):
+        calls.append(weights)
+        return ServedModel(blocks, "q4_1", "") if weights == "q4_1" else ServedModel(fp32, "fp32", "")
+
+    monkeypatch.setattr(server, "load_served_model", load)
+    return server, calls, blocks
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_build_engine_serves_q4_1_and_shares_the_packaged_draft(served_tiny, caplog, exact):
+    from tests.conftest import make_config
+
+    server, calls, blocks = served_tiny
+    with caplog.at_level("INFO", logger="inference_engine"):
+        engine = server.build_engine(make_config(weights="q4_1", exact=exact, max_tile=4))
+    try:
+        assert calls == ["q4_1"] and engine.loaded is blocks and server.engine_weights(engine) == "q4_1"
+        assert engine.draft is blocks  # the packaged draft: the target's own blocks
+        assert "weights: q4_1" in caplog.text
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_build_engine_falls_back_to_fp32_when_the_kernel_differs(served_tiny, caplog, kernel, exact):
+    from tests.conftest import make_config
+
+    server, calls, blocks = served_tiny
+    down = blocks.model.model.layers[0].mlp.down_proj  # the probe checks one linear per shape: this one
+    down.qmatmul = lambda x, q, fmt: kernel.qmatmul(x, q, fmt) * 1.0000001  # not the fp32 kernel's bits
+    try:
+        with caplog.at_level("INFO", logger="inference_engine"):
+            engine = server.build_engine(make_config(weights="q4_1", exact=exact, max_tile=4, draft_model=None))
+    finally:
+        down.qmatmul = kernel.qmatmul
+    try:
+        assert calls == ["q4_1", "fp32"] and server.engine_weights(engine) == "fp32"
+        assert "the q4_1 kernel differs from the fp32 kernel (128->64: M=" in caplog.text
+    finally:
+        engine.close()
