@@ -73,7 +73,7 @@ from benchkit.engines import (  # noqa: E402
     start_mlx_lm,
     start_server,
 )
-from benchkit.report import build_report, fmt, print_table, q4_1_targets  # noqa: E402
+from benchkit.report import batching_targets, build_report, fmt, print_table, q4_1_targets  # noqa: E402
 from benchkit.snapshots import measure_snapshots, print_snapshots, snapshots_report  # noqa: E402
 
 from inference_engine.blas import reexec_with_openblas  # noqa: E402
@@ -120,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         contenders: dict[str, Contender] = {}
         server, contenders["server"] = start_server(plan, prompts, stack)
         server_fp32, contenders["server_fp32"] = start_server(plan, prompts, stack, weights="fp32")
+        if not args.quick:  # the path before the exact-gemm kernel: fp32 weights, each row its own sgemv
+            _, contenders["server_row_gemv"] = start_server(plan, prompts, stack, weights="fp32", kernel="row_gemv")
         rss, rss_fp32 = measure_rss(server, plan, prompts), measure_rss(server_fp32, plan, prompts)
         append = measure_append_latency(server, plan, prompts)
         phase(f"server: {plan.sessions} sessions at once, TTFT under load, head-of-line, prompt lookup")
@@ -140,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     report["server_rss_fp32"] = rss_fp32
     report["concurrency"] = concurrency
     report["q4_1"] = q4_1_targets(report)
+    report["batching"] = batching_targets(report)
     phase("session snapshots: snapshot, restore, fork vs replay; restart with 8 persisted sessions")
     report["snapshots"] = measure_snapshots(plan, prompts)
     if args.pipeline:
@@ -160,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     q = report["q4_1"]
     print("q4_1: " + ", ".join(f"{k} {v:.2f}x (target {q['targets'][k]})" for k, v in q["ratios"].items())
           + f"; same tokens as fp32: {q['same_tokens_as_fp32']}")
+    b = report["batching"]
+    print("batching: " + ", ".join(f"{k} {v:.2f}x (target {b['targets'][k]})" for k, v in b["ratios"].items()))
     print_snapshots(report["snapshots"])
     if "pipeline" in report:
         p = report["pipeline"]

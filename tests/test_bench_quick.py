@@ -62,6 +62,15 @@ def test_q4_1_targets_section(report):
     assert q["ratios"]["idle_rss_over_fp32_server"] < 1  # no fp32 copy resident
 
 
+def test_batching_targets_section(report):
+    b = report["batching"]
+    assert set(b["targets"]) >= set(b["ratios"]) >= {"aggregate_8_over_1", "fp32_prefill_over_mlx_lm",
+                                                     "lookup_k4_over_greedy", "ttft_loaded_over_idle",
+                                                     "head_of_line_gap_over_idle"}
+    assert "fp32_decode_over_row_gemv" not in b["ratios"]  # the row-gemv arm runs in the full bench only
+    assert all(r > 0 for r in b["ratios"].values())
+
+
 def test_llama_cpp_measured_or_explained(report):
     e = report["engines"]["llama_cpp"]
     if e["available"]:

@@ -23,11 +23,13 @@ from inference_engine.readiness import wait_ready
 class ServerProcess:
     """`python -m inference_engine serve --port 0` as a subprocess, with a sync stub."""
 
-    def __init__(self, plan: Plan, weights: str = "q4_1"):
+    def __init__(self, plan: Plan, weights: str = "q4_1", kernel: str | None = None):
         self._log = tempfile.NamedTemporaryFile("w+", prefix="bench-server-", suffix=".log")
         cmd = [sys.executable, "-m", "inference_engine", "serve", "--port", "0", "--weights", weights,
                "--default-window", str(plan.window), "--max-sessions", str(plan.sessions)]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+        if kernel is not None:  # the launcher's cblas_sgemm in front of OpenBLAS (inference_engine/blas.py)
+            env["INFERENCE_ENGINE_KERNEL"] = kernel
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=self._log, text=True)
         try:
             address = wait_ready(self.proc)
@@ -100,9 +102,10 @@ class ServerProcess:
             self.channel.close()
 
 
-def start_server(plan: Plan, prompts: Prompts, stack: ExitStack, weights: str = "q4_1") -> tuple[ServerProcess, Contender]:
-    """A real server process serving `weights` (closed by `stack`) and its gRPC decode/prefill."""
-    server = ServerProcess(plan, weights)
+def start_server(plan: Plan, prompts: Prompts, stack: ExitStack, weights: str = "q4_1",
+                 kernel: str | None = None) -> tuple[ServerProcess, Contender]:
+    """A real server process serving `weights` with `kernel` (None: the default; closed by `stack`)."""
+    server = ServerProcess(plan, weights, kernel)
     stack.callback(server.close)
     log = server.log()  # start-up lines come before "listening on"
     blas, mode = re.search(r"BLAS in use: (.*)", log), re.search(r"(exact|plain) mode: block size (\d+)", log)
