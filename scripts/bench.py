@@ -126,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
         append = measure_append_latency(server, plan, prompts)
         phase(f"server: {plan.sessions} sessions at once, TTFT under load, head-of-line, prompt lookup")
         concurrency = measure_concurrency(server, prompts, plan)
+        if not args.quick:  # the same on the fp32 weights (the exact-gemm kernel's own batching)
+            phase(f"server_fp32: {plan.sessions} sessions at once, TTFT under load, head-of-line, prompt lookup")
+            concurrency_fp32 = measure_concurrency(server_fp32, prompts, plan)
         phase("load in-process runtime, mlx_lm, llama.cpp")
         contenders["in_process"] = start_in_process(plan, prompts, stack)
         contenders["mlx_lm"] = start_mlx_lm(plan, prompts, model_dir)
@@ -141,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
                           args.llama_cpp_build_s)
     report["server_rss_fp32"] = rss_fp32
     report["concurrency"] = concurrency
+    if not args.quick:
+        report["concurrency_fp32"] = concurrency_fp32
     report["q4_1"] = q4_1_targets(report)
     report["batching"] = batching_targets(report)
     phase("session snapshots: snapshot, restore, fork vs replay; restart with 8 persisted sessions")

@@ -39,6 +39,7 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 STATS_EVERY_S = 30.0  # how often the loop logs its batch sizes (when it did any work)
 GAP_SLACK = 2.0  # while streams run, an iteration may take this many times what their rows alone would
+HANDOFF_WAIT_S = 0.01  # appends wait this long for streams handing over a step to rejoin the batch
 
 
 class Job(ABC):
@@ -119,6 +120,8 @@ class Scheduler:
         self.append_rows = min(append_rows, max_rows)
         self.cost = CostModel(max_rows)
         self._last: tuple[int, float] | None = None  # rows and start of the forward still running
+        self._waited = False  # this iteration's appends already waited for streams mid-hand-over
+        self._hold = False  # the next wait is bounded by HANDOFF_WAIT_S (streams mid-hand-over)
         self._calls: deque[_Call] = deque()
         self._deferred: list[_Call] = []
         self._new_jobs: deque[Job] = deque()
@@ -193,7 +196,8 @@ class Scheduler:
         while True:
             if not self._wake.is_set():
                 self._last = None  # about to idle: the time until the next forward is not its cost
-            self._wake.wait()
+            self._wake.wait(HANDOFF_WAIT_S if self._hold else None)
+            self._hold = False
             self._wake.clear()
             with self._lock:
                 calls, self._calls = list(self._calls), deque()
@@ -245,11 +249,19 @@ class Scheduler:
         decoders = [j for j in self._jobs if j.is_decoder]
         ended |= self._plan(decoders, self.max_rows, planned)
         rows = sum(len(b.tokens) for _, b in planned)
+        # A stream whose last step is still being handed over (its client takes it) sits this
+        # iteration out; it counts as a row, so appends never get a forward it would wait behind.
+        streams = rows + sum(1 for j in decoders if not j.is_done and all(j is not p for p, _ in planned))
+        appends = [j for j in self._jobs if not j.is_decoder]
         room = self.max_rows - rows
-        if rows and room > 0:  # streams are waiting on this forward: appends get a share that keeps it short
+        if streams and room > 0 and appends:
+            if not rows and not self._waited:  # every stream is mid-hand-over: give them a moment to rejoin
+                self._waited = self._hold = True
+                return ended
             room = (min(self.append_rows, room) if self.append_rows
-                    else self.cost.append_budget(rows, room, GAP_SLACK, fallback=max(1, room // 4)))
-        ended |= self._plan([j for j in self._jobs if not j.is_decoder], room, planned)
+                    else self.cost.append_budget(streams, room, GAP_SLACK, fallback=max(1, room // 4)))
+        self._waited = False
+        ended |= self._plan(appends, room, planned)
         self._rotate()
         if not planned:
             return ended or any(j.is_done for j in self._jobs)

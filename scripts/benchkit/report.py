@@ -154,6 +154,10 @@ BATCHING_TARGETS = {  # issue 11: ratios from one run
     "lookup_k4_over_greedy": ">= 2.0",
     "ttft_loaded_over_idle": "<= 2.0",
     "head_of_line_gap_over_idle": "<= 3.0",
+    "fp32_aggregate_8_over_1": ">= 4.0",
+    "fp32_lookup_k4_over_greedy": ">= 2.0",
+    "fp32_ttft_loaded_over_idle": "<= 2.0",
+    "fp32_head_of_line_gap_over_idle": "<= 3.0",
 }
 
 
@@ -171,6 +175,12 @@ def batching_targets(report: dict[str, Any]) -> dict[str, Any]:
     ratios.update(lookup_k4_over_greedy=conc["lookup"]["lookup_over_greedy"],
                   ttft_loaded_over_idle=conc["ttft"]["loaded_over_idle"],
                   head_of_line_gap_over_idle=conc["head_of_line"]["max_over_idle"])
+    if "concurrency_fp32" in report:  # the same measures on the fp32 weights
+        c32 = report["concurrency_fp32"]
+        ratios.update(fp32_aggregate_8_over_1=c32["aggregate"]["many_over_one"],
+                      fp32_lookup_k4_over_greedy=c32["lookup"]["lookup_over_greedy"],
+                      fp32_ttft_loaded_over_idle=c32["ttft"]["loaded_over_idle"],
+                      fp32_head_of_line_gap_over_idle=c32["head_of_line"]["max_over_idle"])
     return {"ratios": ratios, "targets": BATCHING_TARGETS, "head_of_line_append_tokens": conc["head_of_line"]["append_tokens"]}
 
 

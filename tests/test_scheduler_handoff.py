@@ -1,0 +1,113 @@
+"""The scheduler never gives appends a forward that a stream handing over its last step would wait behind.
+
+Fake jobs and a fake backend (no model): a stream whose client takes each step a few ms
+after it is produced, and a long append. Before the fix, every iteration that found the
+stream mid-hand-over gave the append the whole batch (64 rows), and the stream's next step
+waited behind that forward (a 25x inter-token gap on the real model).
+"""
+
+import threading
+import time
+
+from inference_engine.runtime.scheduler import Job, Scheduler
+from inference_engine.verifier.executor import Block
+
+
+class FakeBackend:
+    def __init__(self):
+        self.forwards: list[list[tuple[str, int]]] = []  # while the stream runs
+        self.stream: Job | None = None
+
+    def forward(self, blocks, wait=False):
+        if not self.stream.is_done:
+            self.forwards.append([(b.executor, len(b.tokens)) for b in blocks])
+        time.sleep(0.002)
+        return [None] * len(blocks)
+
+
+class Stream(Job):
+    is_decoder = True
+
+    def __init__(self, steps: int, take_after_s: float):
+        super().__init__(session=None)
+        self.left, self.take_after_s, self.handing = steps, take_after_s, False
+        self.scheduler: Scheduler | None = None
+
+    @property
+    def is_quiescent(self) -> bool:
+        return not self.handing
+
+    def plan(self, budget):
+        if self.handing:
+            return None
+        if not self.left:
+            self.is_done = True
+            return None
+        return Block("stream", (1,), False)
+
+    def update(self, result):
+        self.left -= 1
+        self.handing = True
+        threading.Timer(self.take_after_s, self._taken).start()  # the client takes the step a little later
+
+    def _taken(self):
+        self.handing = False
+        self.scheduler.wake()
+
+    def abort(self, exc):
+        self.is_done = True
+
+
+class Append(Job):
+    def __init__(self, tokens: int):
+        super().__init__(session=None)
+        self.left, self._planned = tokens, 0
+
+    def plan(self, budget):
+        if not self.left:
+            self.is_done = True
+            return None
+        self._planned = min(budget, self.left)
+        return Block("append", (0,) * self._planned, False)
+
+    def update(self, result):
+        self.left -= self._planned
+
+    def abort(self, exc):
+        self.is_done = True
+
+
+def _run(append_rows: int) -> list[list[tuple[str, int]]]:
+    backend = FakeBackend()
+    sched = Scheduler(lambda: backend, max_rows=64, append_rows=append_rows)
+    stream, append = Stream(steps=40, take_after_s=0.003), Append(tokens=100_000)
+    stream.scheduler, backend.stream = sched, stream
+    try:
+        sched.start(stream)
+        time.sleep(0.05)
+        sched.start(append)
+        deadline = time.monotonic() + 30
+        while not stream.is_done and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert stream.is_done, "the stream did not finish"
+    finally:
+        append.cancel()
+        sched.wake()
+        sched.close()
+    return backend.forwards
+
+
+def test_appends_keep_their_share_while_the_stream_hands_over():
+    forwards = _run(append_rows=4)
+    with_append = [f for f in forwards if any(kind == "append" for kind, _ in f)]
+    assert with_append, "the append never ran"
+    assert max(rows for f in with_append for kind, rows in f if kind == "append") <= 4
+    streamed = sum(1 for f in forwards if any(kind == "stream" for kind, _ in f))
+    assert streamed == 40
+    assert sum(1 for f in with_append if any(kind == "stream" for kind, _ in f)) >= 20  # mostly batched together
+
+
+def test_learnt_budget_never_hands_the_whole_batch_to_an_append_beside_a_stream():
+    forwards = _run(append_rows=0)  # the cost model's budget
+    alone = [rows for f in forwards for kind, rows in f if kind == "append" and len(f) == 1]
+    assert all(rows < 64 for rows in alone), alone
