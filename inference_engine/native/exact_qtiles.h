@@ -22,6 +22,73 @@ QTARGET INLINE void QV(block)(int fmt, const uint8_t *blk, v8 w[4]) {
     }
 }
 
+/* Weights 8g .. 8g + 7 (g < 4) of the block at blk, given its d and m (HALVES): the very
+ * operations QV(block) does for its w[g], so the same bits. */
+QTARGET INLINE v8 QV(group)(int fmt, const uint8_t *blk, v8 d, v8 m, int g) {
+    if (fmt == GGML_Q4_1) {
+        v8i q = WIDEN_U8(blk + Q4_1_NIBBLES + 8 * (g & 1)); /* g 0, 2: bytes 0..7; g 1, 3: 8..15 */
+        return q4_1_group(d, m, g < 2 ? q & 15 : q >> 4);
+    }
+    return q8_0_group(d, WIDEN_S8(blk + Q8_0_INTS + 8 * g));
+}
+
+/* `rows` (<= 4) rows of A from i0 x `cols` (<= 2) quantized weight rows from n0, full K: each
+ * group of 8 weights is dequantized once, in a register, and feeds every row. acc[r][c] still
+ * takes lane j: k = j, j+8, ... increasing, from zero, then hsum8: tile_nt's element on the
+ * dequantized rows, bit for bit (alpha 1, beta 0, as run_q_fmt's fp32 tiles had). */
+QTARGET INLINE void QV(qtile_m)(const struct job *j, int i0, int rows, int n0, int cols, int fmt) {
+    enum { R = 4, C = 2 };
+    const int bytes = ggml_block_bytes(fmt), blocks = j->k / GGML_QK;
+    const uint8_t *w = j->q + (size_t)n0 * j->ldq;
+    const float *a = j->a + (size_t)i0 * j->lda;
+    v8 acc[R][C];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+        for (int c = 0; c < C; ++c)
+            acc[r][c] = (v8){0};
+    for (int b = 0; b < blocks; ++b) {
+        const uint8_t *blk[C];
+        v8 d[C], m[C];
+#pragma GCC unroll 4
+        for (int c = 0; c < cols; ++c) { /* rows, cols: constants after inlining */
+            blk[c] = w + c * j->ldq + (size_t)b * bytes;
+            HALVES(blk[c], &d[c], &m[c]);
+        }
+#pragma GCC unroll 4
+        for (int g = 0; g < 4; ++g) {
+            v8 wv[C];
+#pragma GCC unroll 4
+            for (int c = 0; c < cols; ++c)
+                wv[c] = QV(group)(fmt, blk[c], d[c], m[c], g);
+#pragma GCC unroll 4
+            for (int r = 0; r < rows; ++r) {
+                v8 x = load8(a + r * j->lda + GGML_QK * b + 8 * g);
+#pragma GCC unroll 4
+                for (int c = 0; c < cols; ++c)
+                    acc[r][c] = dot_step(acc[r][c], x, wv[c]);
+            }
+        }
+    }
+    for (int r = 0; r < rows; ++r)
+        for (int c = 0; c < cols; ++c)
+            j->c[(size_t)(i0 + r) * j->ldc + n0 + c] = hsum8(acc[r][c]);
+}
+
+/* The tile of `rows` (<= 4) x `cols` (<= 2) at (i, n), each shape its own inlined copy. */
+QTARGET INLINE void QV(qtile)(const struct job *j, int rows, int cols, int i, int n, int fmt) {
+    switch (rows * 4 + cols) {
+    case 5: QV(qtile_m)(j, i, 1, n, 1, fmt); break;
+    case 6: QV(qtile_m)(j, i, 1, n, 2, fmt); break;
+    case 9: QV(qtile_m)(j, i, 2, n, 1, fmt); break;
+    case 10: QV(qtile_m)(j, i, 2, n, 2, fmt); break;
+    case 13: QV(qtile_m)(j, i, 3, n, 1, fmt); break;
+    case 14: QV(qtile_m)(j, i, 3, n, 2, fmt); break;
+    case 17: QV(qtile_m)(j, i, 4, n, 1, fmt); break;
+    default: QV(qtile_m)(j, i, 4, n, 2, fmt); break;
+    }
+}
+
 /* One row of A x `cols` (<= 4) quantized weight rows, full K, each block dequantized in registers and
  * multiplied in the fp32 tiles' order (lane j: k = j, j+8, ... increasing). */
 QTARGET INLINE void QV(qtile_1)(const struct job *j, int n0, int cols, int fmt) {
@@ -69,6 +136,18 @@ QTARGET INLINE void QV(run_q_fmt)(const struct job *j, int n0, int n1, int fmt) 
             QV(qtile_1)(j, n, 1, fmt);
         return;
     }
+    if (j->m <= 12) {
+        /* Few rows: 4 x 2 tiles in registers, each weight dequantized once per 4-row group
+         * (at most 3 times), never stored. 2 columns: 8 accumulators + 2 weight vectors and
+         * their d, m fit AVX2's 16 registers (3 columns spill; measured slower). */
+        for (; n < n1; n += 2) {
+            int cols = n1 - n < 2 ? n1 - n : 2;
+            for (int i = 0; i < j->m; i += 4)
+                QV(qtile)(j, j->m - i < 4 ? j->m - i : 4, cols, i, n, fmt);
+        }
+        return;
+    }
+    /* Many rows: dequantizing per 4-row group would cost more than storing the rows once. */
     float *rows = dequant_scratch(3 * (size_t)j->k);
     for (; n < n1; n += 3) {
         int cols = n1 - n < 3 ? n1 - n : 3;

@@ -57,18 +57,22 @@ INLINE float half_to_float(const uint8_t *p) {
 /* The 32 weights of a Q4_1 block as 4 vectors (k = 0..7, 8..15, 16..23, 24..31), given its
  * d and m (half_to_float, in every lane) and its nibble bytes 0..7 and 8..15 widened to int32
  * lanes (the caller's instructions do both). */
+INLINE v8 q4_1_group(v8 d, v8 m, v8i nibbles) { return d * __builtin_convertvector(nibbles, v8) + m; }
+
 INLINE void q4_1_weights(v8 d, v8 m, v8i lo, v8i hi, v8 w[4]) {
-    w[0] = d * __builtin_convertvector(lo & 15, v8) + m;
-    w[1] = d * __builtin_convertvector(hi & 15, v8) + m;
-    w[2] = d * __builtin_convertvector(lo >> 4, v8) + m;
-    w[3] = d * __builtin_convertvector(hi >> 4, v8) + m;
+    w[0] = q4_1_group(d, m, lo & 15);
+    w[1] = q4_1_group(d, m, hi & 15);
+    w[2] = q4_1_group(d, m, lo >> 4);
+    w[3] = q4_1_group(d, m, hi >> 4);
 }
 
 /* The 32 weights of a Q8_0 block as 4 vectors, given its d (in every lane) and its int8s
  * sign-extended to int32 lanes. */
+INLINE v8 q8_0_group(v8 d, v8i q) { return __builtin_convertvector(q, v8) * d; }
+
 INLINE void q8_0_weights(v8 d, const v8i q[4], v8 w[4]) {
     for (int g = 0; g < 4; ++g)
-        w[g] = __builtin_convertvector(q[g], v8) * d;
+        w[g] = q8_0_group(d, q[g]);
 }
 
 #endif
