@@ -7,12 +7,12 @@ as the launcher does, for the forwarded cases and what MLX actually passes.
 
 import ctypes
 import os
-import threading
 
 import numpy as np
 import pytest
 
 from inference_engine.blas import find_openblas, kernel_library
+from tests.concurrent_calls import differing_calls
 from tests.blas_env import linux_openblas
 from tests.mlx_matmul_probe import probe
 
@@ -150,20 +150,7 @@ def test_concurrent_callers_get_the_same_bits(gemm):
     rng = np.random.default_rng(3)
     w = rng.standard_normal((3072, 576), dtype=np.float32)
     xs = [rng.standard_normal((m, 576), dtype=np.float32) for m in (1, 4, 7, 16)]
-    expected = [gemm(x, w) for x in xs]
-    failures = []
-
-    def hammer(i):
-        for _ in range(20):
-            if gemm(xs[i], w).tobytes() != expected[i].tobytes():
-                failures.append(i)
-
-    threads = [threading.Thread(target=hammer, args=(i,)) for i in range(len(xs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert failures == []
+    assert differing_calls(lambda x: gemm(x, w), xs) == []
 
 
 def test_a_forked_child_computes(gemm):

@@ -7,13 +7,13 @@ row-invariant too (the fp32 one is, test_exact_gemm.py).
 """
 
 import ctypes
-import threading
 
 import numpy as np
 import pytest
 
 from inference_engine.blas import kernel_library
 from inference_engine.model.gguf_blocks import BLOCK_BYTES, Q4_1, Q8_0, dequantize_blocks
+from tests.concurrent_calls import differing_calls
 from tests.blas_env import linux_openblas
 from tests.test_exact_gemm import HEAD, SMOLLM2_SHAPES, Gemm
 
@@ -142,17 +142,4 @@ def test_concurrent_callers_get_the_same_bits(qgemm):
     rng = np.random.default_rng(6)
     blocks = random_blocks(rng, Q4_1, 3072, 576)
     xs = [rng.standard_normal((m, 576), dtype=np.float32) for m in (1, 4, 7, 16)]
-    expected = [qgemm(Q4_1, x, blocks) for x in xs]
-    failures = []
-
-    def hammer(i):
-        for _ in range(20):
-            if qgemm(Q4_1, xs[i], blocks).tobytes() != expected[i].tobytes():
-                failures.append(i)
-
-    threads = [threading.Thread(target=hammer, args=(i,)) for i in range(len(xs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert failures == []
+    assert differing_calls(lambda x: qgemm(Q4_1, x, blocks), xs) == []
