@@ -37,6 +37,10 @@ class Stream(Job):
     def is_quiescent(self) -> bool:
         return not self.handing
 
+    @property
+    def is_ready(self) -> bool:
+        return not self.handing
+
     def plan(self, budget):
         if self.handing:
             return None
@@ -111,3 +115,24 @@ def test_learnt_budget_never_hands_the_whole_batch_to_an_append_beside_a_stream(
     forwards = _run(append_rows=0)  # the cost model's budget
     alone = [rows for f in forwards for kind, rows in f if kind == "append" and len(f) == 1]
     assert all(rows < 64 for rows in alone), alone
+
+
+def test_streams_handing_over_at_different_moments_stay_in_one_forward():
+    """Two streams whose clients take their steps 1 ms and 4 ms after each forward: before, the first to
+    rejoin got a forward of its own and the streams drifted apart (two forwards per step, half the rows each)."""
+    backend = FakeBackend()
+    sched = Scheduler(lambda: backend, max_rows=64)
+    quick, slow = Stream(steps=30, take_after_s=0.001), Stream(steps=30, take_after_s=0.004)
+    quick.scheduler = slow.scheduler = sched
+    backend.stream = slow
+    try:
+        sched.start(quick)
+        sched.start(slow)
+        deadline = time.monotonic() + 30
+        while not (quick.is_done and slow.is_done) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert quick.is_done and slow.is_done
+    finally:
+        sched.close()
+    together = sum(1 for f in backend.forwards if len(f) == 2)
+    assert together >= 28, backend.forwards  # every step but the first and the last, at most

@@ -53,6 +53,10 @@ class AppendJob(Job):
         self._is_taken = False  # the caller took the result: it counts as appended
         self._is_undone = False  # aborted before the caller took it: nothing appended
 
+    @property
+    def remaining(self) -> int:
+        return len(self.tokens) - self.fed
+
     def plan(self, budget: int) -> Block | None:
         if self._is_computed:  # wait for the caller to take the result, or to go away (then abort undoes it)
             if self._is_taken:
@@ -162,6 +166,10 @@ class GenerateJob(Job):
     @property
     def is_quiescent(self) -> bool:
         return self.is_done or (self._unhanded is None and self._block is None)
+
+    @property
+    def is_ready(self) -> bool:
+        return self._unhanded is None or self.stop is not None or self.is_cancelled
 
     def hand(self, step: GenerateStep) -> bool:
         """The stream takes `step` (loop thread): it counts as sent. False if it was retracted."""

@@ -39,13 +39,20 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 STATS_EVERY_S = 30.0  # how often the loop logs its batch sizes (when it did any work)
 GAP_SLACK = 2.0  # while streams run, an iteration may take this many times what their rows alone would
-HANDOFF_WAIT_S = 0.01  # appends wait this long for streams handing over a step to rejoin the batch
+FINISH_SLACK = 3.0  # ... or this many, for an append that completes in it (a new session's prompt: TTFT)
+HANDOFF_WAIT_S = 0.01  # a forward waits at most this long for streams handing over a step to rejoin it
 
 
 class Job(ABC):
     """One call's work on one session, advanced by the scheduler one block at a time (engine thread)."""
 
     is_decoder: bool = False  # streams tokens (scheduled first; limits appends' share)
+    remaining: int = 0  # rows still to compute (appends), for the finishing rule
+
+    @property
+    def is_ready(self) -> bool:
+        """It has a block to plan now (a stream is not, while its client takes its last step)."""
+        return True
 
     def __init__(self, session: Session):
         self.session = session
@@ -120,8 +127,8 @@ class Scheduler:
         self.append_rows = min(append_rows, max_rows)
         self.cost = CostModel(max_rows)
         self._last: tuple[int, float] | None = None  # rows and start of the forward still running
-        self._waited = False  # this iteration's appends already waited for streams mid-hand-over
-        self._hold = False  # the next wait is bounded by HANDOFF_WAIT_S (streams mid-hand-over)
+        self._hold_until: float | None = None  # waiting for streams mid-hand-over until then (monotonic)
+        self._hold: float | None = None  # the next wait's timeout (streams mid-hand-over)
         self._calls: deque[_Call] = deque()
         self._deferred: list[_Call] = []
         self._new_jobs: deque[Job] = deque()
@@ -196,8 +203,8 @@ class Scheduler:
         while True:
             if not self._wake.is_set():
                 self._last = None  # about to idle: the time until the next forward is not its cost
-            self._wake.wait(HANDOFF_WAIT_S if self._hold else None)
-            self._hold = False
+            self._wake.wait(self._hold)
+            self._hold = None
             self._wake.clear()
             with self._lock:
                 calls, self._calls = list(self._calls), deque()
@@ -247,20 +254,34 @@ class Scheduler:
             return ended
         planned: list[tuple[Job, Block]] = []
         decoders = [j for j in self._jobs if j.is_decoder]
+        appends = [j for j in self._jobs if not j.is_decoder]
+        # Streams whose last step is still being handed to their clients rejoin within a moment:
+        # wait for them (HANDOFF_WAIT_S at most) rather than split the streams over two forwards,
+        # or give appends a forward the late streams would wait behind.
+        late = sum(1 for j in decoders if not j.is_ready)
+        if late and (late < len(decoders) or appends):
+            now = time.monotonic()
+            if self._hold_until is None:
+                self._hold_until = now + HANDOFF_WAIT_S
+            if now < self._hold_until:
+                self._hold = self._hold_until - now
+                return ended
+        self._hold_until = None
         ended |= self._plan(decoders, self.max_rows, planned)
         rows = sum(len(b.tokens) for _, b in planned)
-        # A stream whose last step is still being handed over (its client takes it) sits this
-        # iteration out; it counts as a row, so appends never get a forward it would wait behind.
+        # A stream still mid-hand-over sits this iteration out; it counts as a row, so appends
+        # never get a forward it would wait behind.
         streams = rows + sum(1 for j in decoders if not j.is_done and all(j is not p for p, _ in planned))
-        appends = [j for j in self._jobs if not j.is_decoder]
         room = self.max_rows - rows
         if streams and room > 0 and appends:
-            if not rows and not self._waited:  # every stream is mid-hand-over: give them a moment to rejoin
-                self._waited = self._hold = True
-                return ended
-            room = (min(self.append_rows, room) if self.append_rows
-                    else self.cost.append_budget(streams, room, GAP_SLACK, fallback=max(1, room // 4)))
-        self._waited = False
+            budget = (min(self.append_rows, room) if self.append_rows
+                      else self.cost.append_budget(streams, room, GAP_SLACK, fallback=max(1, room // 4)))
+            first = self._finishing(appends, streams, budget, room)
+            if first is not None:  # it completes in this iteration: it goes first, whole
+                ended |= self._plan([first], first.remaining, planned)
+                appends = [j for j in appends if j is not first]
+                room -= sum(len(b.tokens) for j, b in planned if j is first)
+            room = min(budget, room)
         ended |= self._plan(appends, room, planned)
         self._rotate()
         if not planned:
@@ -275,6 +296,22 @@ class Scheduler:
         self._last = (rows, started)
         self._account(rows, len(planned), time.perf_counter() - started)
         return True
+
+    def _finishing(self, appends: list[Job], streams: int, budget: int, room: int) -> Job | None:
+        """The shortest append, if its rest exceeds `budget` but fits `room` within FINISH_SLACK of the streams alone.
+
+        A short append (a new session's prompt) then completes in one forward instead of
+        several: its time to first token drops, and no stream's gap grows past FINISH_SLACK.
+        """
+        if self.append_rows:
+            return None
+        short = min(appends, key=lambda j: j.remaining)
+        if not budget < short.remaining <= room:
+            return None
+        base, whole = self.cost.estimate(streams), self.cost.estimate(streams + short.remaining)
+        if base is None or whole is None or whole > FINISH_SLACK * base:
+            return None
+        return short
 
     def _plan(self, jobs: list[Job], room: int, planned: list[tuple[Job, Block]]) -> bool:
         """Plan `jobs` in turn within `room` rows, appending to `planned`; whether any job ended."""
