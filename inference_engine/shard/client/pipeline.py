@@ -201,8 +201,14 @@ class ShardPipeline(KvTransfer):
         hops = [HopStream(stub, address, caps, self.step_timeout_s)
                 for stub, address, caps in zip(self._stubs, self.addresses, self._caps)]
         session = RouteSession(session_id, self._epoch, geometry, hops)
+        # Every hop's open settles before any failure is handled: releasing while another
+        # worker's SessionOpen is still in flight would miss the session it then accepts.
         try:
-            await asyncio.gather(*(h.open(session_id, self._epoch, geometry, self.connect_timeout_s) for h in hops))
+            outcomes = await asyncio.gather(*(h.open(session_id, self._epoch, geometry, self.connect_timeout_s)
+                                              for h in hops), return_exceptions=True)
+            failed = next((o for o in outcomes if isinstance(o, BaseException)), None)
+            if failed is not None:
+                raise failed
         except BaseException:
             # Free what did open, so the same epoch can be tried again at once.
             self._close_hops(session)
