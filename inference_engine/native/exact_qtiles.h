@@ -9,6 +9,18 @@
  * operation is the shared code of ggml_blocks.h and exact_dot.h.
  */
 
+/* Software prefetch of the next tile's weight rows (the `cols` rows after this tile's, which
+ * are contiguous with them), swept at the pace this tile is read: at block b, `lines` cache
+ * lines from b * cols * bytes on. A tile's rows are short (360 to 960 bytes), too short for
+ * the hardware prefetcher to ramp up on each; with this sweep the next tile is in cache when
+ * it starts (measured single-thread, M = 1: 27 -> 16 ms per step's products, the Q8_0 head
+ * 10.5 -> 3.5 ms). It reads nothing the arithmetic uses: the bits cannot change. */
+QTARGET INLINE void QV(prefetch_next)(const uint8_t *w, int cols, size_t ldq, int b, int bytes, int lines) {
+    const uint8_t *p = w + (size_t)cols * ldq + (size_t)b * cols * bytes;
+    for (int l = 0; l < lines; ++l) /* lines: a constant after inlining */
+        __builtin_prefetch(p + 64 * l);
+}
+
 /* One GGUF block's 32 weights as 4 vectors, dequantized as the converter did. */
 QTARGET INLINE void QV(block)(int fmt, const uint8_t *blk, v8 w[4]) {
     v8 d, m;
@@ -55,6 +67,8 @@ QTARGET INLINE void QV(qtile_m)(const struct job *j, int i0, int rows, int n0, i
             blk[c] = w + c * j->ldq + (size_t)b * bytes;
             HALVES(blk[c], &d[c], &m[c]);
         }
+        if (i0 == 0) /* the first row group fetches the next tile's weights (qtile_1's sweep) */
+            QV(prefetch_next)(w, cols, j->ldq, b, bytes, 2);
 #pragma GCC unroll 4
         for (int g = 0; g < 4; ++g) {
             v8 wv[C];
@@ -102,6 +116,7 @@ QTARGET INLINE void QV(qtile_1)(const struct job *j, int n0, int cols, int fmt) 
     for (int b = 0; b < blocks; ++b) {
         const float *a = j->a + GGML_QK * b;
         v8 x[4] = {load8(a), load8(a + 8), load8(a + 16), load8(a + 24)};
+        QV(prefetch_next)(w, cols, j->ldq, b, bytes, 3);
 #pragma GCC unroll 4
         for (int c = 0; c < cols; ++c) { /* cols: a constant after inlining */
             v8 wv[4];
