@@ -57,13 +57,14 @@ def tiny_pair(tmp_path_factory, kernel):
 @pytest.mark.parametrize("fmt", [Q4_1, Q8_0], ids=["Q4_1", "Q8_0"])
 def test_qmatmul_is_the_fp32_matmul(kernel, fmt):
     rng = np.random.default_rng(fmt)
-    blocks = random_blocks(rng, fmt, 200, 96)
-    w = mx.array(dequantize_blocks(blocks, fmt))  # (200, 96) fp32, the converter's weights
+    blocks = random_blocks(rng, fmt, 203, 96)  # an odd count: tiles of one column too
+    w = mx.array(dequantize_blocks(blocks, fmt))  # (203, 96) fp32, the converter's weights
     q = mx.array(blocks)
-    for shape in [(1, 96), (1, 1, 96), (1, 7, 96), (3, 5, 96), (64, 96)]:
+    # every few-row tiling (1; 2..4: 4 x 2; 5..8: 8 x 1; 9..12: both), the many-row path, batch dims
+    for shape in [*((m, 96) for m in range(1, 17)), (1, 1, 96), (1, 7, 96), (3, 5, 96), (64, 96)]:
         x = mx.array(rng.standard_normal(shape).astype(np.float32))
         got = kernel.qmatmul(x, q, fmt)
-        assert got.shape == (*shape[:-1], 200) and got.dtype == mx.float32
+        assert got.shape == (*shape[:-1], 203) and got.dtype == mx.float32
         assert mx.array_equal(got, x @ w.T).item(), shape
     xt = mx.array(rng.standard_normal((96, 6)).astype(np.float32)).T  # not row-contiguous: copied first
     x = mx.array(np.ascontiguousarray(xt))  # (MLX's own matmul would hand A^T to OpenBLAS)
