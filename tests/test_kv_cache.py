@@ -2,7 +2,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from inference_engine.verifier.kv_cache import CacheGeometry, SinkWindowKVCache, row_mask
+from inference_engine.verifier.kv_cache import CacheGeometry, SinkWindowKVCache, attention_groups, row_mask, write_slots
 
 G = CacheGeometry(sink=2, window=4, max_block=3, max_rollback=2)
 
@@ -53,3 +53,32 @@ def test_block_larger_than_tile_rejected():
     c = SinkWindowKVCache(G, num_kv_heads=1, head_dim=2)
     with pytest.raises(ValueError, match="max_block"):
         c.update_and_fetch(mx.zeros((1, 4, 2)), mx.zeros((1, 4, 2)))
+
+
+def test_write_slots_are_a_slice_unless_the_block_wraps():
+    assert write_slots(G, 1, 3) == slice(1, 4)  # across the sinks' end: still consecutive slots
+    assert write_slots(G, 9, 2) == slice(9, 11)  # the ring's last slots
+    assert np.array(write_slots(G, 10, 3)).tolist() == [10, 2, 3]  # wraps: a scatter
+
+
+@pytest.mark.parametrize("block", [1, 2, 3])
+def test_every_chunking_stores_the_same_cache(block):
+    # Blocks of 1 (slices only), 2 and 3 (some wrap: scatters) store bitwise the same slots.
+    rng = np.random.default_rng(block)
+    kv = rng.standard_normal((1, 40, 2)).astype(np.float32)
+    one, other = (SinkWindowKVCache(G, num_kv_heads=1, head_dim=2) for _ in range(2))
+    for p in range(40):
+        one.update_and_fetch(mx.array(kv[:, p : p + 1]), mx.array(kv[:, p : p + 1]))
+    for p in range(0, 40, block):
+        other.update_and_fetch(mx.array(kv[:, p : p + block]), mx.array(kv[:, p : p + block]))
+    mx.eval(one.state, other.state)
+    assert all(np.array_equal(np.array(a), np.array(b)) for a, b in zip(one.state, other.state))
+
+
+def test_attention_groups_cut_each_rows_mask_to_its_extent():
+    g = CacheGeometry(sink=4, window=300, max_block=8, max_rollback=2)
+    groups = attention_groups(g, 124, 8)  # rows at 124..131: extents 128, then 256
+    assert [(lo, hi, e) for lo, hi, e, _ in groups] == [(0, 4, 128), (4, 8, 256)]
+    full = np.array(row_mask(g, 124, 8))
+    for lo, hi, e, mask in groups:
+        assert np.array_equal(np.array(mask), full[lo:hi, ..., :e])

@@ -55,9 +55,9 @@ def _block(layer: nn.Module, h: mx.array, positions: mx.array, segments: Sequenc
     for seg in segments:
         cache, hi = seg.caches[i], lo + seg.rows
         start = cache.offset
-        keys, values, mask = cache.update_and_fetch(k[:, lo:hi], v[:, lo:hi])  # (n_kv, S, D) x2, (l, 1, 1, S)
-        for a, b, extent in cache.row_groups(start, seg.rows):
-            outs.append(f.core(q[lo + a : lo + b], keys[:, :extent, :], values[:, :extent, :], mask[a:b, ..., :extent]))
+        keys, values, _ = cache.update_and_fetch(k[:, lo:hi], v[:, lo:hi])  # (n_kv, S, D) x2
+        for a, b, extent, mask in cache.attention_groups(start, seg.rows):  # mask (b - a, 1, 1, extent)
+            outs.append(f.core(q[lo + a : lo + b], keys[:, :extent, :], values[:, :extent, :], mask))
         lo = hi
     return f.post(h, outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0), *f.post_arrays)
 

@@ -33,8 +33,9 @@ class KVCache(Protocol):
             keys (n_kv, S, D), values (n_kv, S, D), mask (L, 1, 1, S) bool.
         """
 
-    def row_groups(self, start: int, length: int) -> tuple[tuple[int, int, int], ...]:
-        """Consecutive rows at positions start.. sharing a key extent: ((lo, hi, extent), ...).
+    def attention_groups(self, start: int, length: int) -> tuple[tuple[int, int, int, mx.array], ...]:
+        """Consecutive rows at positions start.. sharing a key extent: ((lo, hi, extent, mask), ...).
 
-        Row i only reads the first `extent` storage slots (a prefix fixed by its position).
+        Row i only reads the first `extent` storage slots (a prefix fixed by its position);
+        `mask` (hi - lo, 1, 1, extent) bool is those rows' mask cut to it.
         """

@@ -72,9 +72,15 @@ def rollback_room(max_rollback: int) -> int:
 
 
 @lru_cache(maxsize=64)
-def write_slots(geometry: CacheGeometry, start: int, length: int) -> mx.array:
-    """(length,) int32 storage slots of positions start..start+length-1 (shared by all layers)."""
-    return mx.array(geometry.slot_of(np.arange(start, start + length)).astype(np.int32))
+def write_slots(geometry: CacheGeometry, start: int, length: int) -> mx.array | slice:
+    """Storage slots of positions start..start+length-1 (shared by all layers): a slice when
+    they are consecutive (every decode step, most chunks: one slice update per array, the
+    fewest graph nodes), else (length,) int32 slots (a block across the ring's wrap or the
+    sinks' end: a scatter). Either stores the same values in the same slots."""
+    slots = geometry.slot_of(np.arange(start, start + length))
+    if slots[-1] - slots[0] == length - 1:
+        return slice(int(slots[0]), int(slots[0]) + length)
+    return mx.array(slots.astype(np.int32))
 
 
 @lru_cache(maxsize=64)
@@ -105,6 +111,19 @@ def row_mask(geometry: CacheGeometry, start: int, length: int) -> mx.array:
     return mx.array(mask[:, None, None, :])
 
 
+@lru_cache(maxsize=64)
+def attention_groups(geometry: CacheGeometry, start: int, length: int) -> tuple[tuple[int, int, int, mx.array], ...]:
+    """`row_groups` with each group's `row_mask` rows cut to its extent: ((lo, hi, extent, mask), ...).
+
+    Evaluated once here, so every layer (and every worker span) reads the same small arrays
+    instead of slicing the mask again per layer (fewer graph nodes per step).
+    """
+    mask = row_mask(geometry, start, length)
+    groups = tuple((lo, hi, extent, mask[lo:hi, ..., :extent]) for lo, hi, extent in row_groups(geometry, start, length))
+    mx.eval([m for *_, m in groups])
+    return groups
+
+
 def layer_digest(keys: np.ndarray, values: np.ndarray) -> bytes:
     """SHA-256 of one layer's canonical K bytes then V bytes ((n_kv, n, D) each, C order)."""
     return hashlib.sha256(np.ascontiguousarray(keys).tobytes() + np.ascontiguousarray(values).tobytes()).digest()
@@ -133,7 +152,7 @@ class SinkWindowKVCache:
     """One layer's K/V storage for one session (implements model.kv_protocol.KVCache).
 
     Protocol (as mlx-lm caches): `offset`, `update_and_fetch`, `trim`, `nbytes`, `state`,
-    plus `row_groups` for attention and `canonical_state` for digests.
+    plus `attention_groups` for attention and `canonical_state` for digests.
     """
 
     def __init__(self, geometry: CacheGeometry, num_kv_heads: int, head_dim: int, dtype: mx.Dtype = mx.float32):
@@ -175,9 +194,9 @@ class SinkWindowKVCache:
         """The K and V storage arrays."""
         return self.keys, self.values
 
-    def row_groups(self, start: int, length: int) -> tuple[tuple[int, int, int], ...]:
-        """Rows at positions start.. grouped by key extent (see `row_groups`)."""
-        return row_groups(self.geometry, start, length)
+    def attention_groups(self, start: int, length: int) -> tuple[tuple[int, int, int, mx.array], ...]:
+        """Rows at positions start.. grouped by key extent, with their masks (see `attention_groups`)."""
+        return attention_groups(self.geometry, start, length)
 
     def trim(self, n: int) -> int:
         """Drop the last n positions; returns n. Raises ValueError past max_rollback."""

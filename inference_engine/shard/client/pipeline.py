@@ -6,20 +6,18 @@
         logits = await route.forward("s1", draft)                     # (len(draft), vocab)
         await route.trim("s1", 2)                                     # drop 2 rejected tokens
         digests = await route.layer_digests("s1")                     # per-layer K/V SHA-256s
-        layers = await route.export_kv("s1")                          # per-layer retained K/V (a snapshot)
-        await route.release("s1")
+        layers = await route.export_kv("s1"); await route.release("s1")  # retained K/V; free
 
     # After a worker restart (or any failure): a newer epoch, then replay the history.
     route.advance_epoch()
     await route.open("s1", sink=4, window=1024)
     logits = await route.forward("s1", history, all_logits=False)
 
-Every answer is checked (step, positions, dtype, shape, finite values) before it is used:
-a worker that answers OK with wrong output raises MalformedShardOutput. Any failure
-during a step leaves the workers inconsistent, so the session is closed on every worker
-and later calls raise InvariantViolation until it is opened again at a newer route epoch
-(`advance_epoch`) and its tokens are replayed; the caller owns the token history.
-One call at a time per session (calls on one session are serialized); sessions are independent.
+Every answer is checked (step, positions, dtype, shape, finite values) before use: a wrong
+OK answer raises MalformedShardOutput. A failed step leaves the workers inconsistent, so the
+session is closed on every worker and later calls raise InvariantViolation until it is opened
+at a newer route epoch (`advance_epoch`) and its tokens (the caller's history) are replayed.
+Calls on one session are serialized; sessions are independent.
 """
 
 from __future__ import annotations
@@ -201,16 +199,12 @@ class ShardPipeline(KvTransfer):
         hops = [HopStream(stub, address, caps, self.step_timeout_s)
                 for stub, address, caps in zip(self._stubs, self.addresses, self._caps)]
         session = RouteSession(session_id, self._epoch, geometry, hops)
-        # Every hop's open settles before any failure is handled: releasing while another
-        # worker's SessionOpen is still in flight would miss the session it then accepts.
-        try:
-            outcomes = await asyncio.gather(*(h.open(session_id, self._epoch, geometry, self.connect_timeout_s)
-                                              for h in hops), return_exceptions=True)
-            failed = next((o for o in outcomes if isinstance(o, BaseException)), None)
-            if failed is not None:
-                raise failed
-        except BaseException:
-            # Free what did open, so the same epoch can be tried again at once.
+        try:  # every open settles first: a release racing a SessionOpen in flight would miss it
+            for outcome in await asyncio.gather(*(h.open(session_id, self._epoch, geometry, self.connect_timeout_s)
+                                                  for h in hops), return_exceptions=True):
+                if isinstance(outcome, BaseException):
+                    raise outcome
+        except BaseException:  # free what did open, so the same epoch can be tried again at once
             self._close_hops(session)
             await self._release_on_workers(session)
             raise
