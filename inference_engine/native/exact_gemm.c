@@ -25,9 +25,11 @@
  * Quantized weights (`exact_qgemm`, called by the MLX extension native/exact_quant.cpp, any
  * M): each block's 32 weights are dequantized exactly as the converter did (ggml_blocks.h)
  * and fed to the same dot_step/hsum8 in the same k order as the fp32 B-transposed case, so
- * the result is bitwise x @ W.T of the served fp32 weights. One row: dequantized in
- * registers, 4 weight rows at a time. More rows: 3 weight rows dequantized into an L1
- * scratch, then the fp32 tiles themselves run over it (each weight dequantized once per call).
+ * the result is bitwise x @ W.T of the served fp32 weights (exact_qtiles.h). One row:
+ * dequantized in registers, 4 weight rows at a time. 2..12 rows: register tiles (4 x 2, or
+ * 8 x 1 for 5..8 rows), each weight dequantized once per row group. More rows: 3 weight rows
+ * dequantized into an L1 scratch, then the fp32 tiles themselves run over it. Few-row tiles
+ * prefetch the next tile's weight rows as they go.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
