@@ -14,7 +14,8 @@
  * lines from b * cols * bytes on. A tile's rows are short (360 to 960 bytes), too short for
  * the hardware prefetcher to ramp up on each; with this sweep the next tile is in cache when
  * it starts (measured single-thread, M = 1: 27 -> 16 ms per step's products, the Q8_0 head
- * 10.5 -> 3.5 ms). It reads nothing the arithmetic uses: the bits cannot change. */
+ * 10.5 -> 3.5 ms). It reads nothing the arithmetic uses: the bits cannot change. Past the last
+ * tile it names addresses beyond the weights; a prefetch never faults (x86 and ARM alike). */
 QTARGET INLINE void QV(prefetch_next)(const uint8_t *w, int cols, size_t ldq, int b, int bytes, int lines) {
     const uint8_t *p = w + (size_t)cols * ldq + (size_t)b * cols * bytes;
     for (int l = 0; l < lines; ++l) /* lines: a constant after inlining */
@@ -46,9 +47,9 @@ QTARGET INLINE v8 QV(group)(int fmt, const uint8_t *blk, v8 d, v8 m, int g) {
 
 /* `rows` (<= 4; up to 8 when `cols` is 1) rows of A from i0 x `cols` (<= 2) quantized weight
  * rows from n0, full K: each group of 8 weights is dequantized once, in a register, and feeds
- * every row. acc[r][c] still
- * takes lane j: k = j, j+8, ... increasing, from zero, then hsum8: tile_nt's element on the
- * dequantized rows, bit for bit (alpha 1, beta 0, as run_q_fmt's fp32 tiles had). */
+ * every row. acc[r][c] still takes lane j: k = j, j+8, ... increasing, from zero, then hsum8:
+ * tile_nt's element on the dequantized rows, bit for bit (alpha 1, beta 0, as run_q_fmt's fp32
+ * tiles had). */
 QTARGET INLINE void QV(qtile_m)(const struct job *j, int i0, int rows, int n0, int cols, int fmt) {
     enum { R = 8, C = 2 }; /* at most 8 accumulators are live: rows x cols <= 8 */
     const int bytes = ggml_block_bytes(fmt), blocks = j->k / GGML_QK;
@@ -104,7 +105,8 @@ QTARGET INLINE void QV(qtile)(const struct job *j, int rows, int cols, int i, in
     case 25: QV(qtile_m)(j, i, 6, n, 1, fmt); break;
     case 29: QV(qtile_m)(j, i, 7, n, 1, fmt); break;
     case 33: QV(qtile_m)(j, i, 8, n, 1, fmt); break;
-    default: QV(qtile_m)(j, i, 4, n, 2, fmt); break;
+    case 18: QV(qtile_m)(j, i, 4, n, 2, fmt); break;
+    default: abort(); /* no such tile: computing another shape would leave rows unwritten */
     }
 }
 

@@ -74,9 +74,9 @@ def rollback_room(max_rollback: int) -> int:
 @lru_cache(maxsize=64)
 def write_slots(geometry: CacheGeometry, start: int, length: int) -> mx.array | slice:
     """Storage slots of positions start..start+length-1 (shared by all layers): a slice when
-    they are consecutive (every decode step, most chunks: one slice update per array, the
-    fewest graph nodes), else (length,) int32 slots (a block across the ring's wrap or the
-    sinks' end: a scatter). Either stores the same values in the same slots."""
+    they are consecutive (every decode step, most chunks, a block across the sinks' end: one
+    slice update per array, the fewest graph nodes), else (length,) int32 slots (a block
+    across the ring's wrap: a scatter). Either stores the same values in the same slots."""
     slots = geometry.slot_of(np.arange(start, start + length))
     if slots[-1] - slots[0] == length - 1:
         return slice(int(slots[0]), int(slots[0]) + length)
