@@ -31,12 +31,13 @@ from types import ModuleType
 from typing import Callable
 
 from inference_engine.blas import INTERPOSERS, is_preloaded, kernel_library, selected_kernel
+from inference_engine.model import attention_kernel
 
 log = logging.getLogger(__name__)
 _NATIVE = Path(__file__).resolve().parent / "native"
 MODULE = "_exact_quant"  # the extension's import name (NB_MODULE)
 KERNEL = "exact_gemm"  # the interposer whose exact_qgemm the extension calls
-CXX_FLAGS = ("-std=c++20", "-O2", "-fPIC", "-fvisibility=hidden")
+CXX_FLAGS = ("-std=c++20", "-O2", "-fPIC", "-fvisibility=hidden", "-ffp-contract=off")  # no FMA: exact_attention
 
 
 @dataclass(frozen=True)
@@ -80,11 +81,12 @@ def extension_path(cache_dir: Path | None = None) -> Path | str:
 
         cache_dir = default_cache_dir()
     source = _NATIVE / "exact_quant.cpp"
+    sources = [source, _NATIVE / "exact_attention.cpp"]
     suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
     import mlx.core as mx
     import nanobind
 
-    key = b"".join([source.read_bytes(), " ".join(CXX_FLAGS).encode(), mx.__version__.encode(),
+    key = b"".join([*(f.read_bytes() for f in (*sources, *_NATIVE.glob("*.h"))), " ".join(CXX_FLAGS).encode(), mx.__version__.encode(),
                     nanobind.__version__.encode(), sys.version.encode(), str(mlx_dir).encode()])
     target = cache_dir / "native" / f"exact_quant-{hashlib.sha256(key).hexdigest()[:12]}" / f"{MODULE}{suffix}"
     if target.is_file():
@@ -100,10 +102,11 @@ def extension_path(cache_dir: Path | None = None) -> Path | str:
     compiles = [  # nanobind's runtime (NB_BUILD), then the module in MLX's nanobind domain (shares mx.array)
         [cxx, *CXX_FLAGS, "-fno-strict-aliasing", "-DNB_BUILD", *includes, "-c", str(nb_dir / "src" / "nb_combined.cpp"),
          "-o", str(work / "nb.o")],
-        [cxx, *CXX_FLAGS, "-DNB_DOMAIN=mlx", *includes, f"-I{mlx_dir / 'include'}", "-c", str(source),
-         "-o", str(work / "exact_quant.o")],
+        *([cxx, *CXX_FLAGS, "-DNB_DOMAIN=mlx", *includes, f"-I{mlx_dir / 'include'}", "-c", str(src),
+           "-o", str(work / f"{src.stem}.o")] for src in sources),
     ]
-    link = [cxx, "-shared", "-o", str(work / target.name), str(work / "exact_quant.o"), str(work / "nb.o"),
+    objects = [work / f"{src.stem}.o" for src in sources]
+    link = [cxx, "-shared", "-o", str(work / target.name), *map(str, objects), str(work / "nb.o"),
             f"-L{mlx_dir / 'lib'}", "-lmlx", f"-Wl,-rpath,{mlx_dir / 'lib'}"]
     with ThreadPoolExecutor(2) as pool:
         results = list(pool.map(lambda cmd: subprocess.run(cmd, capture_output=True, text=True), compiles))
@@ -113,8 +116,8 @@ def extension_path(cache_dir: Path | None = None) -> Path | str:
     if failed:
         shutil.rmtree(work, ignore_errors=True)
         return f"building the extension failed:\n{failed[0].stderr[-4000:]}"
-    for leftover in ("nb.o", "exact_quant.o"):
-        (work / leftover).unlink()
+    for leftover in (work / "nb.o", *objects):
+        leftover.unlink()
     try:
         work.rename(target.parent)  # atomic: a concurrent build that won leaves its own copy in place
     except OSError:
@@ -123,13 +126,17 @@ def extension_path(cache_dir: Path | None = None) -> Path | str:
 
 
 def _import(path: Path) -> ModuleType:
+    if str(path) in _MODULES:  # an extension module is loaded once per process
+        return _MODULES[str(path)]
     spec = importlib.util.spec_from_file_location(MODULE, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    _MODULES[str(path)] = module
     return module
 
 
+_MODULES: dict[str, ModuleType] = {}
 _LOADED: dict[str, QuantKernel] = {}  # one binding per process: the extension module is process-global
 
 
@@ -162,6 +169,31 @@ def load_quant_kernel(cache_dir: Path | None = None) -> QuantKernel | str:
     module.bind_kernel(library)
     _LOADED[library] = QuantKernel(module.qmatmul, library, str(path))
     return _LOADED[library]
+
+
+def enable_exact_attention(cache_dir: Path | None = None) -> str:
+    """Bind the native attention kernel (model/attention_kernel.py) in this process where MLX
+    computes on the CPU under Linux and the extension builds; returns why not ("" when bound).
+
+    Call before the first forward; every process of one deployment decides the same way (the
+    rule depends on the machine only, not on the BLAS kernel).
+    """
+    import mlx.core as mx
+
+    if attention_kernel.is_bound():
+        return ""
+    if not sys.platform.startswith("linux"):
+        return f"the native attention kernel is built for Linux; this is {sys.platform}"
+    if mx.default_device() != mx.cpu:
+        return f"the native attention kernel runs on the CPU; MLX computes on {mx.default_device()}"
+    path = extension_path(cache_dir)
+    if isinstance(path, str):
+        return path
+    try:
+        attention_kernel.bind(_import(path).attend)
+    except RuntimeError as exc:  # a forward already ran here with MLX ops: keep them
+        return str(exc)
+    return ""
 
 
 if __name__ == "__main__":  # `python -m inference_engine.quant_kernel`: build now (scripts/dev.sh setup)

@@ -69,6 +69,9 @@ def test_qmatmul_is_the_fp32_matmul(kernel, fmt):
     xt = mx.array(rng.standard_normal((96, 6)).astype(np.float32)).T  # not row-contiguous: copied first
     x = mx.array(np.ascontiguousarray(xt))  # (MLX's own matmul would hand A^T to OpenBLAS)
     assert mx.array_equal(kernel.qmatmul(xt, q, fmt), x @ w.T).item()
+    strided = mx.array(random_blocks(rng, fmt, 406, 96))[::2]  # every other row: strided blocks, packed first
+    w2 = mx.array(dequantize_blocks(np.array(strided), fmt))
+    assert mx.array_equal(kernel.qmatmul(x, strided, fmt), x @ w2.T).item()
     compiled = mx.compile(lambda x, q: mx.maximum(kernel.qmatmul(x, q, fmt), 0.0))  # inside a compiled graph
     assert mx.array_equal(compiled(x, q), mx.maximum(x @ w.T, 0.0)).item()
 

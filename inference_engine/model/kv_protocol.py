@@ -39,3 +39,16 @@ class KVCache(Protocol):
         Row i only reads the first `extent` storage slots (a prefix fixed by its position);
         `mask` (hi - lo, 1, 1, extent) bool is those rows' mask cut to it.
         """
+
+    @property
+    def layout(self) -> tuple[int, int, int]:
+        """(sinks, window, ring): position p < sinks is stored at slot p, later ones at
+        sinks + (p - sinks) % ring; a query at p sees the sinks and p - window .. p."""
+
+    def reserve(self, rows: int) -> tuple[mx.array, mx.array]:
+        """The K and V storage for an attention kernel that writes the next `rows` positions
+        into it in place when it runs (model/attention_kernel.py); the offset advances now.
+
+        Raises:
+            ValueError: more rows than `max_block`.
+        """

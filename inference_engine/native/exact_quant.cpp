@@ -10,18 +10,23 @@
 // caller's back, and an unbound module refuses to compute.
 //
 // Python: bind_kernel(path) -> None; is_bound() -> bool;
-//         qmatmul(x, blocks, fmt) -> x @ dequant(blocks).T
+//         qmatmul(x, blocks, fmt) -> x @ dequant(blocks).T;
+//         attend(...): a layer's attention for many sessions (exact_attention.cpp; needs no kernel)
 //   x: float32 (..., K); blocks: uint8 (N, K / 32 * block bytes), row n = output feature n;
 //   fmt: ggml type id (3 = Q4_1, 8 = Q8_0). Returns float32 (..., N).
 
 #include <dlfcn.h>
 
 #include <sstream>
+#include <vector>
 #include <stdexcept>
 #include <string>
 
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include "exact_attention.h"
 
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/mlx.h"
@@ -40,6 +45,40 @@ constexpr int kQ4_1 = 3, kQ8_0 = 8, kBlock = 32;
 
 int block_bytes(int fmt) { return fmt == kQ4_1 ? 20 : fmt == kQ8_0 ? 34 : 0; }
 
+template <typename T>
+struct Strided {  // an input as the dispatched task sees it: its data, shape and strides
+  const T* data;
+  bool contiguous;
+  std::vector<int64_t> shape, strides;
+
+  static Strided of(const mx::array& a) {
+    std::vector<int64_t> shape(a.shape().begin(), a.shape().end()), strides(a.strides().begin(), a.strides().end());
+    return {a.data<T>(), a.flags().row_contiguous && a.data_size() == a.size(), shape, strides};
+  }
+
+  const T* packed(std::vector<T>& buf) const {  // row-major elements: the data itself, or a copy in `buf`
+    if (contiguous)
+      return data;
+    size_t total = 1;
+    for (auto e : shape)
+      total *= static_cast<size_t>(e);
+    buf.resize(total);
+    std::vector<int64_t> index(shape.size(), 0);
+    for (size_t i = 0; i < total; ++i) {
+      int64_t at = 0;
+      for (size_t d = 0; d < shape.size(); ++d)
+        at += index[d] * strides[d];
+      buf[i] = data[at];
+      for (size_t d = shape.size(); d-- > 0;) {
+        if (++index[d] < shape[d])
+          break;
+        index[d] = 0;
+      }
+    }
+    return buf.data();
+  }
+};
+
 class ExactQuantMatmul : public mx::UnaryPrimitive {
  public:
   ExactQuantMatmul(mx::Stream stream, int fmt) : mx::UnaryPrimitive(stream), fmt_(fmt) {}
@@ -55,8 +94,13 @@ class ExactQuantMatmul : public mx::UnaryPrimitive {
     encoder.set_input_array(x);
     encoder.set_input_array(w);
     encoder.set_output_array(out);
-    encoder.dispatch([fmt = fmt_, m, n, k, ldq, a = x.data<float>(), q = w.data<uint8_t>(), c = out.data<float>()]() {
-      if (kernel(fmt, m, n, k, a, k, q, ldq, c, n) != 0)
+    // Strided inputs (a transposed or sliced activation) are packed here rather than by a
+    // Contiguous node per product in the graph: one node fewer per linear on every step.
+    encoder.dispatch([fmt = fmt_, m, n, k, ldq, x = Strided<float>::of(x), q = Strided<uint8_t>::of(w),
+                      c = out.data<float>()]() {
+      std::vector<float> xbuf;
+      std::vector<uint8_t> qbuf;
+      if (kernel(fmt, m, n, k, x.packed(xbuf), k, q.packed(qbuf), ldq, c, n) != 0)
         throw std::runtime_error("exact_qgemm refused its arguments");
     });
   }
@@ -102,7 +146,7 @@ mx::array qmatmul(const mx::array& x, const mx::array& blocks, int fmt) {
   shape.back() = blocks.shape(0);
   auto s = mx::to_stream({});
   return mx::array(shape, mx::float32, std::make_shared<ExactQuantMatmul>(s, fmt),
-                   {mx::contiguous(x, false, s), mx::contiguous(blocks, false, s)});
+                   {x, blocks});
 }
 
 void bind_kernel(const std::string& path) {
@@ -124,4 +168,15 @@ NB_MODULE(_exact_quant, m) {
   m.def("is_bound", []() { return kernel != nullptr; });
   m.def("qmatmul", &qmatmul, nb::arg("x"), nb::arg("blocks"), nb::arg("fmt"),
         "x (..., K) float32 @ dequant(blocks).T, blocks uint8 (N, K/32*bytes): float32 (..., N)");
+  m.def(
+      "attend",
+      [](const mx::array& q, const mx::array& k, const mx::array& v, const std::vector<mx::array>& caches,
+         std::vector<int> starts, std::vector<int> rows, std::vector<int> sinks, std::vector<int> windows,
+         std::vector<int> rings) {
+        return exact_attention::attend(q, k, v, caches, {starts, rows, sinks, windows, rings});
+      },
+      nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("caches"), nb::arg("starts"), nb::arg("rows"),
+      nb::arg("sinks"), nb::arg("windows"), nb::arg("rings"),
+      "A layer's sink-window attention for the rows of many sessions (native/exact_attention.cpp): "
+      "attn (R, n_kv, rep, D); the caches' storage receives the rows in place when it runs");
 }

@@ -200,9 +200,11 @@ class LocalExecutor(Executor):
         self.cache = []  # the arrays go with their last reference
 
     def snapshot(self) -> object:
-        # MLX arrays are values: these views keep the current K/V, and the next write to
-        # a layer copies it instead of reusing its buffer (a slab copy, once per layer).
-        return [(c.keys[:], c.values[:], c.offset) for c in self.cache]
+        # A copy of every layer's storage, taken now: the native attention kernel writes
+        # into the caches' buffers in place (a slab copy per layer, once per deep checkpoint),
+        # after the writes already queued have landed.
+        mx.synchronize()
+        return [(mx.array(np.array(c.keys)), mx.array(np.array(c.values)), c.offset) for c in self.cache]
 
     def restore(self, snapshot: object) -> None:
         for c, (keys, values, offset) in zip(self.cache, snapshot):

@@ -152,16 +152,23 @@ class SinkWindowKVCache:
     """One layer's K/V storage for one session (implements model.kv_protocol.KVCache).
 
     Protocol (as mlx-lm caches): `offset`, `update_and_fetch`, `trim`, `nbytes`, `state`,
-    plus `attention_groups` for attention and `canonical_state` for digests.
+    plus `attention_groups` for attention as MLX ops, `layout` and `reserve` for the native
+    attention kernel (model/attention_kernel.py), and `canonical_state` for digests.
+
+    The storage arrays are this cache's own buffers: the native kernel writes rows into them
+    in place, so a state kept across a forward must be a copy (`Executor.snapshot`).
     """
 
     def __init__(self, geometry: CacheGeometry, num_kv_heads: int, head_dim: int, dtype: mx.Dtype = mx.float32):
         self.geometry = geometry
         self.offset = 0
         shape = (num_kv_heads, geometry.slots, head_dim)
-        # Zero-initialised: masked slots must hold finite values (0 * value must be 0).
-        self.keys = mx.zeros(shape, dtype=dtype)  # (n_kv, slots, D)
-        self.values = mx.zeros(shape, dtype=dtype)  # (n_kv, slots, D)
+        # Zero-initialised: masked slots must hold finite values (0 * value must be 0). Owned,
+        # materialized buffers (from numpy, never a broadcast zero): the native attention
+        # kernel writes into them in place (`reserve`).
+        zeros = np.zeros(shape, dtype=np.dtype(str(dtype).removeprefix("mlx.core.")))
+        self.keys = mx.array(zeros)  # (n_kv, slots, D)
+        self.values = mx.array(zeros)  # (n_kv, slots, D)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """Store K/V for positions offset..offset+L-1; return the storage and each row's mask.
@@ -183,6 +190,18 @@ class SinkWindowKVCache:
         mask = row_mask(g, self.offset, length)
         self.offset += length
         return self.keys, self.values, mask
+
+    @property
+    def layout(self) -> tuple[int, int, int]:
+        """(sinks, window, ring) of the geometry (what an attention kernel needs)."""
+        return self.geometry.sink, self.geometry.window, self.geometry.ring
+
+    def reserve(self, rows: int) -> tuple[mx.array, mx.array]:
+        """The storage, for a kernel that writes the next `rows` positions into it in place."""
+        if rows > self.geometry.max_block:
+            raise ValueError(f"block of {rows} rows exceeds max_block {self.geometry.max_block}")
+        self.offset += rows
+        return self.keys, self.values
 
     @property
     def max_block(self) -> int:

@@ -1,0 +1,242 @@
+// exact_attention: a layer's sink-window attention for the rows of many sessions, one MLX node.
+//
+// Why: as MLX ops, each session in a batch adds ~20 graph nodes per layer (its K/V writes,
+// slices of its cache, two small matmuls, the softmax), and on the CPU building and
+// dispatching those nodes, not the arithmetic, is what a batched decode step costs. Here a
+// layer's attention is one node whatever the number of sessions: it writes every session's
+// new K/V rows into that session's cache storage and computes every row's attention.
+//
+// The storage is written in place: a cache's K and V arrays are inputs of the node, and the
+// rows land in their buffers when it runs (an MLX node cannot donate an input to one of
+// several outputs, and a copy of every session's slab per layer would cost more than the
+// graph it saves). So the storage is a buffer, not a value: the cache owns it alone
+// (verifier/kv_cache.py), and whoever wants to keep a state across a forward copies it
+// (`Executor.snapshot`).
+//
+// Why the bits of a row cannot depend on its companions, its block or the thread split: the
+// row at global position p attends to the positions `CacheGeometry.visible_positions(p)`
+// (the sinks, then p - window .. p), visited in that order, whatever slot the ring put them
+// in; its scores are exact_dot.h's fixed-order dot products over D; the softmax takes their
+// max, `exp_nonpositive(s - max)` (no libm), a sum in position order, one division per weight; the output is the
+// weighted sum of the values in position order, each product and sum rounded separately
+// (built with -ffp-contract=off). Each (row, KV head) is computed by one thread from those
+// inputs only, and every write of the block lands before any row reads.
+
+#include "exact_attention.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <thread>
+
+#include "exact_dot.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/primitives.h"
+
+namespace mx = mlx::core;
+
+namespace exact_attention {
+namespace {
+
+struct View3 {  // a float array (a, b, c) by its strides (elements)
+  const float* data;
+  int64_t s0, s1, s2;
+  float at(int i, int j, int l) const { return data[i * s0 + j * s1 + l * s2]; }
+};
+
+View3 view3(const mx::array& a) {
+  return {a.data<float>(), a.strides(0), a.strides(1), a.strides(2)};
+}
+
+// e^x for x <= 0 (a score minus the row's max) from IEEE +, -, * and exact scaling only, so
+// every machine and libm gives the same bits (glibc's expf picks FMA code by CPU):
+// x = n ln2 + r, |r| <= ln2 / 2 (Cody-Waite, two-part ln2), e^r by its degree-7 Taylor
+// polynomial (Horner), times 2^n.
+float exp_nonpositive(float x) {
+  if (x < -104.0f)
+    return 0.0f;
+  float n = std::floor(x * 1.44269504f + 0.5f);
+  float r = (x - n * 0.693145752f) - n * 1.42860677e-06f;
+  float p = 1.0f / 5040.0f;
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  return std::ldexp(p, static_cast<int>(n));
+}
+
+struct Row {  // one query row: where it is and what it sees
+  int position, cache, sink, window, ring;  // cache: index of its segment's K (2 * segment)
+  int slot(int p) const { return p < sink ? p : sink + (p - sink) % ring; }
+};
+
+// Scores, softmax and weighted sum of one (row, KV head) for its `rep` query heads.
+void attend_row(const Row& row, int h, const float* q, int64_t q_rep_stride, int rep, int d, const float* keys,
+                const float* values, int slots, float* out, std::vector<int>& visible, std::vector<float>& w) {
+  visible.clear();
+  for (int p = 0; p < std::min(row.sink, row.position + 1); ++p)
+    visible.push_back(row.slot(p));
+  for (int p = std::max(row.sink, row.position - row.window); p <= row.position; ++p)
+    visible.push_back(row.slot(p));
+  const float* kh = keys + static_cast<int64_t>(h) * slots * d;
+  const float* vh = values + static_cast<int64_t>(h) * slots * d;
+  int n = static_cast<int>(visible.size()), full = d / 8 * 8;
+  w.resize(n);
+  for (int i = 0; i < rep; ++i) {
+    const float* qi = q + i * q_rep_stride;
+    float top = -INFINITY;
+    for (int t = 0; t < n; ++t) {
+      const float* kt = kh + static_cast<int64_t>(visible[t]) * d;
+      v8 acc = {0};
+      for (int l = 0; l < full; l += 8)
+        acc = dot_step(acc, load8(qi + l), load8(kt + l));
+      if (full < d)
+        acc = dot_step(acc, load_tail(qi + full, d - full), load_tail(kt + full, d - full));
+      w[t] = hsum8(acc);
+      top = std::max(top, w[t]);
+    }
+    float sum = 0.0f;
+    for (int t = 0; t < n; ++t) {
+      w[t] = exp_nonpositive(w[t] - top);
+      sum += w[t];
+    }
+    float* o = out + static_cast<int64_t>(i) * d;
+    for (int l = 0; l < d; ++l)
+      o[l] = 0.0f;
+    for (int t = 0; t < n; ++t) {  // o[l] += w_t * v_t[l], t in position order; 8 l at a time
+      float wt = w[t] / sum;
+      v8 ws = splat8(wt);
+      const float* vt = vh + static_cast<int64_t>(visible[t]) * d;
+      for (int l = 0; l < full; l += 8) {
+        v8 acc = dot_step(load8(o + l), ws, load8(vt + l));
+        std::memcpy(o + l, &acc, sizeof acc);
+      }
+      for (int l = full; l < d; ++l)
+        o[l] = o[l] + wt * vt[l];
+    }
+  }
+}
+
+class ExactAttention : public mx::UnaryPrimitive {
+ public:
+  ExactAttention(mx::Stream stream, Segments segments) : mx::UnaryPrimitive(stream), seg_(std::move(segments)) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& output) override {
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs)
+      encoder.set_input_array(a);
+    output.set_data(mx::allocator::malloc(output.nbytes()));
+    encoder.set_output_array(output);
+    std::vector<float*> storage;  // each session's K and V storage, written in place
+    for (size_t c = 3; c < inputs.size(); ++c) {
+      const mx::array& cache = inputs[c];
+      if (!cache.flags().row_contiguous || cache.data_size() != cache.size())
+        throw std::runtime_error("exact_attention: a cache's storage must be materialized (row-contiguous, owned)");
+      storage.push_back(const_cast<float*>(cache.data<float>()));
+    }
+    const mx::array& q = inputs[0];
+    int rows = q.shape(0), n_kv = q.shape(1), rep = q.shape(2), d = q.shape(3);
+    encoder.dispatch([seg = seg_, storage, k = view3(inputs[1]), v = view3(inputs[2]), qd = q.data<float>(),
+                      qs0 = q.strides(0), qs1 = q.strides(1), qs2 = q.strides(2), qs3 = q.strides(3), rows, n_kv, rep,
+                      d, out = output.data<float>()]() {
+      std::vector<Row> table;
+      for (size_t s = 0; s < seg.starts.size(); ++s) {
+        int slots = seg.sinks[s] + seg.rings[s];
+        for (int j = 0; j < seg.rows[s]; ++j) {  // the segment's new rows at their slots
+          Row row{seg.starts[s] + j, static_cast<int>(2 * s), seg.sinks[s], seg.windows[s], seg.rings[s]};
+          int r = static_cast<int>(table.size()), slot = row.slot(row.position);
+          for (int h = 0; h < n_kv; ++h)
+            for (int l = 0; l < d; ++l) {
+              storage[2 * s][(static_cast<int64_t>(h) * slots + slot) * d + l] = k.at(h, r, l);
+              storage[2 * s + 1][(static_cast<int64_t>(h) * slots + slot) * d + l] = v.at(h, r, l);
+            }
+          table.push_back(row);
+        }
+      }
+      auto work = [&](int first, int last) {  // (row, head) items [first, last)
+        std::vector<int> visible;
+        std::vector<float> w;
+        std::vector<float> qbuf(static_cast<size_t>(rep) * d);
+        for (int item = first; item < last; ++item) {
+          int r = item / n_kv, h = item % n_kv;
+          const Row& row = table[r];
+          for (int i = 0; i < rep; ++i)  // the row's query heads, contiguous
+            for (int l = 0; l < d; ++l)
+              qbuf[static_cast<size_t>(i) * d + l] = qd[r * qs0 + h * qs1 + i * qs2 + l * qs3];
+          attend_row(row, h, qbuf.data(), d, rep, d, storage[row.cache], storage[row.cache + 1],
+                     row.sink + row.ring, out + (static_cast<int64_t>(r) * n_kv + h) * rep * d, visible, w);
+        }
+      };
+      int items = rows * n_kv;
+      int64_t cost = 0;
+      for (const Row& row : table)
+        cost += static_cast<int64_t>(std::min(row.sink, row.position + 1) + row.window + 1) * n_kv * rep * d;
+      int threads = cost < (1 << 21) ? 1 : std::min<int>(items, std::max(1u, std::thread::hardware_concurrency()));
+      if (threads == 1) {
+        work(0, items);
+        return;
+      }
+      std::vector<std::thread> pool;
+      for (int t = 1; t < threads; ++t)
+        pool.emplace_back(work, items * t / threads, items * (t + 1) / threads);
+      work(0, items / threads);
+      for (auto& th : pool)
+        th.join();
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("ExactAttention has a CPU implementation only");
+  }
+
+  const char* name() const override { return "ExactAttention"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const Segments& o = static_cast<const ExactAttention&>(other).seg_;
+    return seg_.starts == o.starts && seg_.rows == o.rows && seg_.sinks == o.sinks && seg_.windows == o.windows &&
+           seg_.rings == o.rings;
+  }
+
+ private:
+  Segments seg_;
+};
+
+void check(bool ok, const std::string& what) {
+  if (!ok)
+    throw std::invalid_argument("exact_attention: " + what);
+}
+
+}  // namespace
+
+mx::array attend(const mx::array& q, const mx::array& k, const mx::array& v, const std::vector<mx::array>& caches,
+                 const Segments& seg) {
+  size_t n = seg.starts.size();
+  check(n > 0 && seg.rows.size() == n && seg.sinks.size() == n && seg.windows.size() == n && seg.rings.size() == n,
+        "one start, row count, sink, window and ring per segment");
+  check(caches.size() == 2 * n, "two caches (K, V) per segment");
+  check(q.ndim() == 4 && k.ndim() == 3 && v.ndim() == 3, "q (R, n_kv, rep, D), k and v (n_kv, R, D)");
+  int rows = q.shape(0), n_kv = q.shape(1), d = q.shape(3);
+  check(k.shape() == mx::Shape({n_kv, rows, d}) && v.shape() == k.shape(), "k and v must be (n_kv, R, D) of q's sizes");
+  int total = 0;
+  for (size_t s = 0; s < n; ++s) {
+    check(seg.rows[s] >= 1 && seg.starts[s] >= 0 && seg.sinks[s] >= 0 && seg.windows[s] >= 0, "bad segment");
+    check(seg.rings[s] >= seg.windows[s] + seg.rows[s], "a ring must hold the window and the segment's rows");
+    total += seg.rows[s];
+    for (int c = 0; c < 2; ++c)
+      check(caches[2 * s + c].shape() == mx::Shape({n_kv, seg.sinks[s] + seg.rings[s], d}), "a cache is not (n_kv, slots, D)");
+  }
+  check(total == rows, "the segments' rows must add up to q's rows");
+  std::vector<mx::array> inputs{q, k, v};
+  for (const auto& c : caches)
+    inputs.push_back(c);
+  for (const auto& a : inputs)
+    check(a.dtype() == mx::float32, "every array must be float32");
+  return mx::array(q.shape(), mx::float32, std::make_shared<ExactAttention>(mx::to_stream({}), seg), inputs);
+}
+
+}  // namespace exact_attention

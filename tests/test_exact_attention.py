@@ -1,0 +1,159 @@
+"""The native attention kernel (native/exact_attention.cpp): one node per layer for every session.
+
+Bits: a row's output depends on its position and its session's K/V only (not on the block it
+came in, its companions, their layouts, or the ring's wrap); values: the softmax attention
+over `CacheGeometry.visible_positions`, against a float64 reference.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from inference_engine.model import attention_kernel
+from inference_engine.model.forward import Segment, Span, forward, forward_rows
+from inference_engine.model.loader import random_model
+from inference_engine.quant_kernel import enable_exact_attention
+from inference_engine.verifier.executor import LocalBackend, LocalExecutor
+from inference_engine.verifier.kv_cache import CacheGeometry, SinkWindowKVCache
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the kernel is built on Linux (CPU)")
+N_KV, REP, D = 2, 3, 16
+
+
+@pytest.fixture(scope="module")
+def kernel() -> attention_kernel.Attend:
+    assert enable_exact_attention() == ""  # bound at the test run's start (conftest), as in servers
+    bound = attention_kernel.active()
+    assert bound is not None
+    return bound
+
+
+def rows_of(seed: int, positions: range) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """q (L, n_kv, rep, D), k, v (n_kv, L, D) of the given positions: fixed per (seed, position)."""
+    qs, ks, vs = [], [], []
+    for p in positions:
+        rng = np.random.default_rng(seed * 100_003 + p)
+        qs.append(rng.standard_normal((N_KV, REP, D)).astype(np.float32))
+        ks.append(rng.standard_normal((N_KV, D)).astype(np.float32))
+        vs.append(rng.standard_normal((N_KV, D)).astype(np.float32))
+    return np.stack(qs), np.stack(ks, axis=1), np.stack(vs, axis=1)
+
+
+def feed(kernel, sessions: list[tuple[int, CacheGeometry, list[int]]]) -> list[np.ndarray]:
+    """Feed each session (seed, geometry, block sizes) its positions; block i of every session
+    goes in one kernel call together. Returns each session's outputs, (positions, n_kv, rep, D)."""
+    caches = [SinkWindowKVCache(g, N_KV, D) for _, g, _ in sessions]
+    outs: list[list[np.ndarray]] = [[] for _ in sessions]
+    for step in range(max(len(b) for *_, b in sessions)):
+        live = [i for i, (*_, blocks) in enumerate(sessions) if step < len(blocks)]
+        parts = [rows_of(sessions[i][0], range(caches[i].offset, caches[i].offset + sessions[i][2][step])) for i in live]
+        q, k, v = (mx.array(np.concatenate([p[j] for p in parts], axis=0 if j == 0 else 1)) for j in range(3))
+        out = np.array(attention_kernel.attend(kernel, q, k, v, [caches[i] for i in live],
+                                               [sessions[i][2][step] for i in live]))
+        lo = 0
+        for i in live:
+            n = sessions[i][2][step]
+            outs[i].append(out[lo : lo + n])
+            lo += n
+    return [np.concatenate(o) for o in outs]
+
+
+def reference(seed: int, g: CacheGeometry, n: int) -> np.ndarray:
+    """Softmax attention of positions 0..n-1 over their visible positions, in float64."""
+    q, k, v = (a.astype(np.float64) for a in rows_of(seed, range(n)))
+    out = np.zeros((n, N_KV, REP, D))
+    for p in range(n):
+        seen = g.visible_positions(p)
+        scores = np.einsum("hrd,hsd->hrs", q[p], k[:, seen])
+        w = np.exp(scores - scores.max(-1, keepdims=True))
+        out[p] = np.einsum("hrs,hsd->hrd", w / w.sum(-1, keepdims=True), v[:, seen])
+    return out
+
+
+def test_every_chunking_gives_the_same_bits_and_the_softmax_values(kernel):
+    g = CacheGeometry(sink=3, window=20, max_block=8, max_rollback=4)  # 35 slots: 90 positions wrap twice
+    whole = feed(kernel, [(1, g, [8] * 11 + [2])])[0]
+    for blocks in ([1] * 90, [5, 8, 1, 7, 3, 8, 8, 2, 8, 8, 8, 8, 8, 8]):
+        assert np.array_equal(feed(kernel, [(1, g, blocks)])[0], whole)
+    np.testing.assert_allclose(whole, reference(1, g, 90), rtol=2e-5, atol=2e-6)
+
+
+def test_a_rows_bits_do_not_depend_on_its_companions(kernel):
+    a = CacheGeometry(sink=4, window=30, max_block=8, max_rollback=2)
+    b = CacheGeometry(sink=0, window=5, max_block=8, max_rollback=8)  # another layout in the same calls
+    alone = feed(kernel, [(7, a, [8, 8, 1, 1, 1, 8, 8, 8, 8])])[0]
+    together = feed(kernel, [(3, b, [2, 8, 8, 8, 8, 8, 8, 8, 1, 1, 1]), (7, a, [8, 8, 1, 1, 1, 8, 8, 8, 8]),
+                             (9, a, [1, 1, 1])])
+    assert np.array_equal(together[1], alone)
+    np.testing.assert_allclose(together[0], reference(3, b, 61), rtol=2e-5, atol=2e-6)
+
+
+def test_the_kernel_refuses_bad_arguments(kernel):
+    g = CacheGeometry(sink=2, window=4, max_block=4, max_rollback=1)
+    cache = SinkWindowKVCache(g, N_KV, D)
+    q, k, v = (mx.array(a) for a in rows_of(0, range(2)))
+    args = dict(starts=[0], rows=[2], sinks=[2], windows=[4], rings=[g.ring])
+    with pytest.raises(ValueError, match="two caches"):
+        kernel(q, k, v, [cache.keys], **args)
+    with pytest.raises(ValueError, match="add up"):
+        kernel(q, k, v, [cache.keys, cache.values], **{**args, "rows": [1]})
+    with pytest.raises(ValueError, match="ring must hold"):
+        kernel(q, k, v, [cache.keys, cache.values], **{**args, "rings": [5]})
+    with pytest.raises(ValueError, match="not \\(n_kv, slots, D\\)"):
+        kernel(q, k, v, [cache.keys[:1], cache.values[:1]], **args)
+    with pytest.raises(ValueError, match="float32"):
+        kernel(q.astype(mx.float16), k, v, [cache.keys, cache.values], **args)
+    broadcast = mx.broadcast_to(mx.array(0.0), cache.keys.shape)  # no buffer of its own to write into
+    with pytest.raises(RuntimeError, match="materialized"):
+        mx.eval(kernel(q, k, v, [broadcast, cache.values], **args))
+    with pytest.raises(ValueError, match="max_block"):
+        cache.reserve(5)
+
+
+def node_labels(x: mx.array) -> list[str]:
+    s = io.StringIO()
+    mx.export_to_dot(s, x)
+    return re.findall(r'label ="([^"]+)"', s.getvalue())
+
+
+def test_a_forward_is_one_attention_node_per_layer_whatever_the_sessions(kernel):
+    model = random_model(seed=3).model
+    g = CacheGeometry(sink=2, window=16, max_block=8, max_rollback=2)
+    spec = model.args
+
+    def graph(sessions: int) -> list[str]:
+        segments = []
+        for s in range(sessions):
+            caches = [SinkWindowKVCache(g, spec.num_key_value_heads, spec.hidden_size // spec.num_attention_heads)
+                      for _ in model.model.layers]
+            forward(model, [5 + s, 6, 7], caches)
+            segments.append(Segment(caches, 1, False))
+        return node_labels(forward_rows(model, mx.array([9] * sessions, dtype=mx.int32), segments, Span.whole(model)))
+
+    two, five = graph(2), graph(5)
+    assert two.count("ExactAttention") == five.count("ExactAttention") == len(model.model.layers)
+    assert len(five) == len(two)  # more sessions add rows, not graph nodes
+
+
+def test_a_snapshot_survives_the_in_place_writes_that_follow(kernel):
+    loaded = random_model(seed=4)
+    backend = LocalBackend(loaded.model, loaded.spec, max_block=8)
+    g = CacheGeometry(sink=2, window=10, max_block=8, max_rollback=2)
+    executor = LocalExecutor(backend, g)
+    first = forward(loaded.model, list(range(1, 15)), executor.cache)
+    before = [c.digest() for c in executor.cache]
+    kept = executor.snapshot()
+    forward(loaded.model, list(range(30, 54)), executor.cache)  # wraps the 22-slot ring: every slot rewritten
+    assert [c.digest() for c in executor.cache] != before
+    executor.restore(kept)
+    assert [c.digest() for c in executor.cache] == before
+    again = forward(loaded.model, [15], executor.cache)
+    fresh = LocalExecutor(backend, g)
+    assert np.array_equal(np.array(forward(loaded.model, list(range(1, 16)), fresh.cache)[-1]), np.array(again[-1]))
+    assert first.shape[0] == 14
