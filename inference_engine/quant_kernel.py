@@ -31,13 +31,13 @@ from types import ModuleType
 from typing import Callable
 
 from inference_engine.blas import INTERPOSERS, is_preloaded, kernel_library, selected_kernel
-from inference_engine.model import attention_kernel
+from inference_engine.model import native_kernels
 
 log = logging.getLogger(__name__)
 _NATIVE = Path(__file__).resolve().parent / "native"
 MODULE = "_exact_quant"  # the extension's import name (NB_MODULE)
 KERNEL = "exact_gemm"  # the interposer whose exact_qgemm the extension calls
-CXX_FLAGS = ("-std=c++20", "-O2", "-fPIC", "-fvisibility=hidden", "-ffp-contract=off")  # no FMA: exact_attention
+CXX_FLAGS = ("-std=c++20", "-O2", "-fPIC", "-fvisibility=hidden", "-ffp-contract=off")  # no FMA: the native blocks
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,7 @@ def extension_path(cache_dir: Path | None = None) -> Path | str:
 
         cache_dir = default_cache_dir()
     source = _NATIVE / "exact_quant.cpp"
-    sources = [source, _NATIVE / "exact_attention.cpp"]
+    sources = [source, _NATIVE / "exact_attention.cpp", _NATIVE / "exact_layer.cpp"]
     suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
     import mlx.core as mx
     import nanobind
@@ -171,16 +171,17 @@ def load_quant_kernel(cache_dir: Path | None = None) -> QuantKernel | str:
     return _LOADED[library]
 
 
-def enable_exact_attention(cache_dir: Path | None = None) -> str:
-    """Bind the native attention kernel (model/attention_kernel.py) in this process where MLX
-    computes on the CPU under Linux and the extension builds; returns why not ("" when bound).
+def enable_native_kernels(cache_dir: Path | None = None) -> str:
+    """Bind the native kernels (model/native_kernels.py) in this process where MLX computes on
+    the CPU under Linux and the extension builds; returns why not ("" when bound). The whole-block
+    kernel comes with them where the q4_1 kernel loads (the exact-gemm library is this process's
+    BLAS), attention alone elsewhere.
 
-    Call before the first forward; every process of one deployment decides the same way (the
-    rule depends on the machine only, not on the BLAS kernel).
+    Call before the first forward; every process of one deployment decides the same way.
     """
     import mlx.core as mx
 
-    if attention_kernel.is_bound():
+    if native_kernels.is_bound():
         return ""
     if not sys.platform.startswith("linux"):
         return f"the native attention kernel is built for Linux; this is {sys.platform}"
@@ -190,7 +191,10 @@ def enable_exact_attention(cache_dir: Path | None = None) -> str:
     if isinstance(path, str):
         return path
     try:
-        attention_kernel.bind(_import(path).attend)
+        module = _import(path)
+        products = load_quant_kernel(cache_dir)  # binds the extension to the exact-gemm library
+        block = None if isinstance(products, str) else module.block
+        native_kernels.bind(native_kernels.NativeKernels(module.attend, block))
     except RuntimeError as exc:  # a forward already ran here with MLX ops: keep them
         return str(exc)
     return ""

@@ -20,7 +20,7 @@ import mlx.core as mx
 
 from inference_engine.model.loader import LoadedModel, load_block_model, load_model
 from inference_engine.model.packaged import DEFAULT_MODEL, packaged_gguf_path, resolve_model_path
-from inference_engine.quant_kernel import enable_exact_attention, load_quant_kernel
+from inference_engine.quant_kernel import enable_native_kernels, load_quant_kernel
 
 WEIGHTS = ("q4_1", "fp32")  # the choices of --weights (the first is the default)
 log = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ def load_served_model(model: str, weights: str, cache_dir: Path) -> ServedModel:
     """
     if weights not in WEIGHTS:
         raise ValueError(f"--weights {weights!r} is not one of {', '.join(WEIGHTS)}")
-    use_exact_attention(cache_dir)
+    use_native_kernels(cache_dir)
     note = q4_1_unavailable(model, cache_dir) if weights == "q4_1" else ""
     if weights == "q4_1" and not note:
         return ServedModel(load_q4_1_model(model, cache_dir), "q4_1", "")
@@ -68,11 +68,11 @@ def load_served_model(model: str, weights: str, cache_dir: Path) -> ServedModel:
     return ServedModel(load_model(path), "fp32", note)
 
 
-def use_exact_attention(cache_dir: Path) -> None:
-    """Compute attention with the native kernel in this process where it can (model/attention_kernel.py)."""
-    reason = enable_exact_attention(cache_dir)
+def use_native_kernels(cache_dir: Path) -> None:
+    """Compute blocks with the native kernels in this process where it can (model/native_kernels.py)."""
+    reason = enable_native_kernels(cache_dir)
     if reason:
-        log.info("attention runs as MLX ops: %s", reason.splitlines()[0])
+        log.info("transformer blocks run as MLX ops: %s", reason.splitlines()[0])
 
 
 def load_q4_1_model(model: str, cache_dir: Path) -> LoadedModel:

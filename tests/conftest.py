@@ -15,7 +15,7 @@ import pytest
 from inference_engine.config import ServerConfig, default_cache_dir
 from inference_engine.model.loader import LoadedModel, load_model, random_model
 from inference_engine.model.packaged import ensure_packaged_model
-from inference_engine.quant_kernel import enable_exact_attention
+from inference_engine.quant_kernel import enable_native_kernels
 from inference_engine.runtime.engine import Engine
 from inference_engine.runtime.runtime import Runtime
 from inference_engine.server.server import start_server
@@ -23,9 +23,9 @@ from inference_engine.v1 import runtime_pb2_grpc as pb_grpc
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Bind the native attention kernel before any forward, as servers and workers do at start
+    """Bind the native kernels before any forward, as servers and workers do at start
     (so in-process references and servers compute the same bits); MLX ops where it cannot."""
-    enable_exact_attention()
+    enable_native_kernels()
 
 
 @pytest.fixture(scope="session")

@@ -1,8 +1,9 @@
-"""The native attention kernel (native/exact_attention.cpp): one node per layer for every session.
+"""The native kernels (native/exact_attention.cpp, exact_layer.cpp): one node per block for every session.
 
 Bits: a row's output depends on its position and its session's K/V only (not on the block it
 came in, its companions, their layouts, or the ring's wrap); values: the softmax attention
-over `CacheGeometry.visible_positions`, against a float64 reference.
+over `CacheGeometry.visible_positions` against a float64 reference, the whole block against
+the same forward as MLX ops.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from inference_engine.model import attention_kernel
+from inference_engine.model import native_kernels
 from inference_engine.model.forward import Segment, Span, forward, forward_rows
+from inference_engine.model.fused_block import fused_block
 from inference_engine.model.loader import random_model
-from inference_engine.quant_kernel import enable_exact_attention
+from inference_engine.quant_kernel import enable_native_kernels
 from inference_engine.verifier.executor import LocalBackend, LocalExecutor
 from inference_engine.verifier.kv_cache import CacheGeometry, SinkWindowKVCache
 
@@ -27,9 +29,9 @@ N_KV, REP, D = 2, 3, 16
 
 
 @pytest.fixture(scope="module")
-def kernel() -> attention_kernel.Attend:
-    assert enable_exact_attention() == ""  # bound at the test run's start (conftest), as in servers
-    bound = attention_kernel.active()
+def kernel() -> native_kernels.NativeKernels:
+    assert enable_native_kernels() == ""  # bound at the test run's start (conftest), as in servers
+    bound = native_kernels.active()
     assert bound is not None
     return bound
 
@@ -54,7 +56,7 @@ def feed(kernel, sessions: list[tuple[int, CacheGeometry, list[int]]]) -> list[n
         live = [i for i, (*_, blocks) in enumerate(sessions) if step < len(blocks)]
         parts = [rows_of(sessions[i][0], range(caches[i].offset, caches[i].offset + sessions[i][2][step])) for i in live]
         q, k, v = (mx.array(np.concatenate([p[j] for p in parts], axis=0 if j == 0 else 1)) for j in range(3))
-        out = np.array(attention_kernel.attend(kernel, q, k, v, [caches[i] for i in live],
+        out = np.array(native_kernels.attend(kernel, q, k, v, [caches[i] for i in live],
                                                [sessions[i][2][step] for i in live]))
         lo = 0
         for i in live:
@@ -100,18 +102,18 @@ def test_the_kernel_refuses_bad_arguments(kernel):
     q, k, v = (mx.array(a) for a in rows_of(0, range(2)))
     args = dict(starts=[0], rows=[2], sinks=[2], windows=[4], rings=[g.ring])
     with pytest.raises(ValueError, match="two caches"):
-        kernel(q, k, v, [cache.keys], **args)
+        kernel.attend(q, k, v, [cache.keys], **args)
     with pytest.raises(ValueError, match="add up"):
-        kernel(q, k, v, [cache.keys, cache.values], **{**args, "rows": [1]})
+        kernel.attend(q, k, v, [cache.keys, cache.values], **{**args, "rows": [1]})
     with pytest.raises(ValueError, match="ring must hold"):
-        kernel(q, k, v, [cache.keys, cache.values], **{**args, "rings": [5]})
+        kernel.attend(q, k, v, [cache.keys, cache.values], **{**args, "rings": [5]})
     with pytest.raises(ValueError, match="not \\(n_kv, slots, D\\)"):
-        kernel(q, k, v, [cache.keys[:1], cache.values[:1]], **args)
+        kernel.attend(q, k, v, [cache.keys[:1], cache.values[:1]], **args)
     with pytest.raises(ValueError, match="float32"):
-        kernel(q.astype(mx.float16), k, v, [cache.keys, cache.values], **args)
+        kernel.attend(q.astype(mx.float16), k, v, [cache.keys, cache.values], **args)
     broadcast = mx.broadcast_to(mx.array(0.0), cache.keys.shape)  # no buffer of its own to write into
     with pytest.raises(RuntimeError, match="materialized"):
-        mx.eval(kernel(q, k, v, [broadcast, cache.values], **args))
+        mx.eval(kernel.attend(q, k, v, [broadcast, cache.values], **args))
     with pytest.raises(ValueError, match="max_block"):
         cache.reserve(5)
 
@@ -122,7 +124,7 @@ def node_labels(x: mx.array) -> list[str]:
     return re.findall(r'label ="([^"]+)"', s.getvalue())
 
 
-def test_a_forward_is_one_attention_node_per_layer_whatever_the_sessions(kernel):
+def test_a_forward_is_one_node_per_block_whatever_the_sessions(kernel):
     model = random_model(seed=3).model
     g = CacheGeometry(sink=2, window=16, max_block=8, max_rollback=2)
     spec = model.args
@@ -137,8 +139,65 @@ def test_a_forward_is_one_attention_node_per_layer_whatever_the_sessions(kernel)
         return node_labels(forward_rows(model, mx.array([9] * sessions, dtype=mx.int32), segments, Span.whole(model)))
 
     two, five = graph(2), graph(5)
-    assert two.count("ExactAttention") == five.count("ExactAttention") == len(model.model.layers)
+    assert kernel.block is not None  # the test run's BLAS is the exact-gemm library (scripts/run_tests.sh)
+    assert two.count("ExactLayer") == five.count("ExactLayer") == len(model.model.layers)
     assert len(five) == len(two)  # more sessions add rows, not graph nodes
+
+
+def logits_of(model, tokens: list[int], blocks: list[int], g: CacheGeometry) -> np.ndarray:
+    spec = model.args
+    caches = [SinkWindowKVCache(g, spec.num_key_value_heads, spec.hidden_size // spec.num_attention_heads)
+              for _ in model.model.layers]
+    out, lo = [], 0
+    for n in blocks:
+        out.append(np.array(forward(model, tokens[lo : lo + n], caches)))
+        lo += n
+    return np.concatenate(out)
+
+
+def test_the_native_block_computes_the_mlx_block(kernel, monkeypatch):
+    model = random_model(seed=5).model
+    g = CacheGeometry(sink=2, window=12, max_block=8, max_rollback=2)  # 24 slots: 40 tokens wrap
+    tokens = [(7 * i + 3) % 256 for i in range(40)]
+    native = logits_of(model, tokens, [8] * 5, g)
+    assert np.array_equal(logits_of(model, tokens, [1] * 13 + [8, 8, 3, 8], g), native)
+    monkeypatch.setattr(native_kernels, "_bound", None)  # the same forward as MLX ops
+    np.testing.assert_allclose(native, logits_of(model, tokens, [8] * 5, g), rtol=1e-4, atol=1e-4)
+
+
+def test_a_block_the_native_kernel_does_not_compute_keeps_mlx_pieces(kernel):
+    biased = random_model(seed=6, attention_bias=True).model  # linears with a bias: no plan
+    g = CacheGeometry(sink=2, window=12, max_block=8, max_rollback=2)
+    assert fused_block(biased.model.layers[0]).plan is None
+    spec = biased.args
+    caches = [SinkWindowKVCache(g, spec.num_key_value_heads, spec.hidden_size // spec.num_attention_heads)
+              for _ in biased.model.layers]
+    labels = node_labels(forward_rows(biased, mx.array([1, 2], dtype=mx.int32), [Segment(caches, 2, True)],
+                                      Span.whole(biased)))
+    assert "ExactLayer" not in labels and labels.count("ExactAttention") == len(biased.model.layers)
+
+
+def test_the_block_kernel_refuses_bad_arguments(kernel):
+    model = random_model(seed=3).model
+    plan = fused_block(model.model.layers[0]).plan
+    g = CacheGeometry(sink=2, window=12, max_block=8, max_rollback=2)
+    spec = model.args
+    cache = SinkWindowKVCache(g, spec.num_key_value_heads, spec.hidden_size // spec.num_attention_heads)
+    h = mx.zeros((1, 2, spec.hidden_size))
+    segs = ([0], [2], [2], [12], [g.ring])
+    cases = [
+        ((h, list(plan.weights[:5]), [cache.keys, cache.values], list(plan.ints), list(plan.floats), *segs), "six"),
+        ((h[:, :, :8], list(plan.weights), [cache.keys, cache.values], list(plan.ints), list(plan.floats), *segs),
+         "h must be"),
+        ((h, list(plan.weights), [cache.keys], list(plan.ints), list(plan.floats), *segs), "two caches"),
+        ((h, list(plan.weights), [cache.keys, cache.values], list(plan.ints)[:-1], list(plan.floats), *segs),
+         "11 ints"),
+        ((h, list(plan.weights), [cache.keys, cache.values], list(plan.ints), list(plan.floats), [0], [1], *segs[2:]),
+         "add up"),
+    ]
+    for args, message in cases:
+        with pytest.raises(ValueError, match=message):
+            kernel.block(*args)
 
 
 def test_a_snapshot_survives_the_in_place_writes_that_follow(kernel):

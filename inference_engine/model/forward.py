@@ -6,7 +6,7 @@ once for all of them, while attention reads each row's own session cache. A row'
 never depend on its companions: every matmul is row-invariant for blocks up to the probed
 tile (verifier/tile_probe.py), RoPE takes each row's own global position, and attention
 is per (row, KV head) over keys fixed by the row's position: MLX ops per session
-(kv_protocol.py), or one native node per layer for all sessions (attention_kernel.py).
+(kv_protocol.py), or native nodes for all sessions at once (native_kernels.py).
 
 `forward` is the one chunk loop (blocks of at most `max_block` rows) for a single
 session, used by the local executor and by shard workers running a layer range.
@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from inference_engine.model import attention_kernel
+from inference_engine.model import native_kernels
 from inference_engine.model.fused_block import fused_block
 from inference_engine.model.kv_protocol import KVCache
 
@@ -50,13 +50,16 @@ class Segment:
 
 
 def _block(layer: nn.Module, h: mx.array, positions: mx.array, segments: Sequence[Segment], i: int,
-           kernel: attention_kernel.Attend | None) -> mx.array:
+           native: native_kernels.NativeKernels | None) -> mx.array:
     """Transformer block `i` of the span on (1, R, hidden); each segment's cache gets its rows' K/V."""
     f = fused_block(layer)
+    if native is not None:
+        caches, rows = [s.caches[i] for s in segments], [s.rows for s in segments]
+        if native.block is not None and f.plan is not None:  # the whole block: one node
+            return native_kernels.block(native, f.plan, h, caches, rows)
+        q, k, v = f.pre(h, positions, *f.pre_arrays)  # every segment's writes and attention: one node
+        return f.post(h, native_kernels.attend(native, q, k, v, caches, rows), *f.post_arrays)
     q, k, v = f.pre(h, positions, *f.pre_arrays)  # (R, n_kv, rep, D), (n_kv, R, D) x2
-    if kernel is not None:  # one node for every segment's writes and attention
-        attn = attention_kernel.attend(kernel, q, k, v, [s.caches[i] for s in segments], [s.rows for s in segments])
-        return f.post(h, attn, *f.post_arrays)
     outs, lo = [], 0
     for seg in segments:
         cache, hi = seg.caches[i], lo + seg.rows
@@ -105,9 +108,9 @@ def forward_rows(model: nn.Module, x: mx.array, segments: Sequence[Segment], spa
     if layers:
         starts = [s.caches[0].offset for s in segments]
         positions = mx.array([p for s, a in zip(segments, starts) for p in range(a, a + s.rows)], dtype=mx.int32)  # (R,)
-        kernel = attention_kernel.active()
+        native = native_kernels.active()
         for i, layer in enumerate(layers):
-            h = _block(layer, h, positions, segments, i, kernel)
+            h = _block(layer, h, positions, segments, i, native)
     if not span.has_lm_head:
         return h
     wanted = _logit_rows(segments)

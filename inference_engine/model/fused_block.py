@@ -25,6 +25,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from inference_engine.model.gguf_blocks import BlockLinear, QMatmul
+from inference_engine.model.native_kernels import BlockPlan
 
 _QUANT_ARRAYS = ("weight", "scales", "biases")  # nn.QuantizedLinear's arrays, all (out, ...)
 
@@ -164,6 +165,32 @@ class FusedBlock:
     post_arrays: tuple[mx.array, ...]  # o_proj arrays, post norm weight, fused gate/up arrays, down_proj arrays
     qkv: nn.Module  # the fused q/k/v linear (probed for row-invariance)
     gate_up: nn.Module  # the fused gate/up linear (probed)
+    plan: BlockPlan | None = None  # for the native whole-block kernel; None: a block it does not compute
+
+
+def _plan(layer: nn.Module, s: _Shape, qkv: nn.Module, gate_up: nn.Module) -> BlockPlan | None:
+    """The native block's view of this block, if it computes it: fp32 or GGUF-block linears
+    without biases, and a plain RoPE (no frequency table or scaling rule of its own)."""
+    formats = []
+    for kind in s.kinds:
+        if kind.blocks is not None:
+            formats.append(kind.blocks[0])
+        elif kind.quant is None and not kind.has_bias:
+            formats.append(0)
+        else:
+            return None
+    rope = s.rope
+    if type(rope) is not nn.RoPE or rope.base is None:
+        return None
+    a, m = layer.self_attn, layer.mlp
+    weights = (layer.input_layernorm.weight, *linear_arrays(qkv), *linear_arrays(a.o_proj),
+               layer.post_attention_layernorm.weight, *linear_arrays(gate_up), *linear_arrays(m.down_proj))
+    hidden, inter = int(weights[0].shape[0]), int(weights[4].shape[0]) // 2
+    return BlockPlan(
+        weights=weights,
+        ints=(s.n_heads, s.n_kv, s.head_dim, hidden, inter, int(rope.dims), int(rope.traditional), *formats),
+        floats=(s.eps_in, s.eps_post, s.scale, float(rope.base), float(rope.scale)),
+    )
 
 
 def fused_block(layer: nn.Module) -> FusedBlock:
@@ -191,7 +218,7 @@ def _build(layer: nn.Module) -> FusedBlock:
         pre_arrays=(layer.input_layernorm.weight, *linear_arrays(qkv)),
         post_arrays=(*linear_arrays(a.o_proj), layer.post_attention_layernorm.weight, *linear_arrays(gate_up),
                      *linear_arrays(m.down_proj)),
-        qkv=qkv, gate_up=gate_up,
+        qkv=qkv, gate_up=gate_up, plan=_plan(layer, shape, qkv, gate_up),
     )
 
 

@@ -47,7 +47,7 @@ class KVCache(Protocol):
 
     def reserve(self, rows: int) -> tuple[mx.array, mx.array]:
         """The K and V storage for an attention kernel that writes the next `rows` positions
-        into it in place when it runs (model/attention_kernel.py); the offset advances now.
+        into it in place when it runs (model/native_kernels.py); the offset advances now.
 
         Raises:
             ValueError: more rows than `max_block`.

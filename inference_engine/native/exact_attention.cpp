@@ -17,7 +17,7 @@
 // row at global position p attends to the positions `CacheGeometry.visible_positions(p)`
 // (the sinks, then p - window .. p), visited in that order, whatever slot the ring put them
 // in; its scores are exact_dot.h's fixed-order dot products over D; the softmax takes their
-// max, `exp_nonpositive(s - max)` (no libm), a sum in position order, one division per weight; the output is the
+// max, `exact_exp(s - max)` (no libm), a sum in position order, one division per weight; the output is the
 // weighted sum of the values in position order, each product and sum rounded separately
 // (built with -ffp-contract=off). Each (row, KV head) is computed by one thread from those
 // inputs only, and every write of the block lands before any row reads.
@@ -26,6 +26,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -38,25 +39,38 @@
 namespace mx = mlx::core;
 
 namespace exact_attention {
+
+// e^x from IEEE +, -, * and exact scaling only, so every machine and libm gives the same bits
+// (glibc's expf picks FMA code by CPU): x = n ln2 + r, |r| <= ln2 / 2 (Cody-Waite, two-part
+// ln2), e^r by its degree-7 Taylor polynomial (Horner), times 2^n. Within 2 ulp of e^x.
 namespace {
 
-struct View3 {  // a float array (a, b, c) by its strides (elements)
-  const float* data;
-  int64_t s0, s1, s2;
-  float at(int i, int j, int l) const { return data[i * s0 + j * s1 + l * s2]; }
-};
-
-View3 view3(const mx::array& a) {
-  return {a.data<float>(), a.strides(0), a.strides(1), a.strides(2)};
+float pow2(int n) {  // 2^n for -126 <= n <= 127, from its bits
+  uint32_t bits = static_cast<uint32_t>(n + 127) << 23;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
 }
 
-// e^x for x <= 0 (a score minus the row's max) from IEEE +, -, * and exact scaling only, so
-// every machine and libm gives the same bits (glibc's expf picks FMA code by CPU):
-// x = n ln2 + r, |r| <= ln2 / 2 (Cody-Waite, two-part ln2), e^r by its degree-7 Taylor
-// polynomial (Horner), times 2^n.
-float exp_nonpositive(float x) {
+// p * 2^n with one rounding, as ldexp (p in [0.5, 2), n in [-151, 128]): exact while the
+// result is normal; below, one exact scaling, then the one rounding into the subnormals.
+float scale2(float p, int n) {
+  if (n > 127)
+    return (p * pow2(127)) * pow2(n - 127);
+  if (n >= -126)
+    return p * pow2(n);
+  return (p * pow2(n + 64)) * pow2(-64);
+}
+
+}  // namespace
+
+float exact_exp(float x) {
   if (x < -104.0f)
     return 0.0f;
+  if (x > 89.0f)
+    return INFINITY;
+  if (x != x)
+    return x;
   float n = std::floor(x * 1.44269504f + 0.5f);
   float r = (x - n * 0.693145752f) - n * 1.42860677e-06f;
   float p = 1.0f / 5040.0f;
@@ -67,7 +81,13 @@ float exp_nonpositive(float x) {
   p = p * r + 0.5f;
   p = p * r + 1.0f;
   p = p * r + 1.0f;
-  return std::ldexp(p, static_cast<int>(n));
+  return scale2(p, static_cast<int>(n));
+}
+
+namespace {
+
+View view3(const mx::array& a) {
+  return {a.data<float>(), a.strides(0), a.strides(1), a.strides(2), 0};
 }
 
 struct Row {  // one query row: where it is and what it sees
@@ -102,7 +122,7 @@ void attend_row(const Row& row, int h, const float* q, int64_t q_rep_stride, int
     }
     float sum = 0.0f;
     for (int t = 0; t < n; ++t) {
-      w[t] = exp_nonpositive(w[t] - top);
+      w[t] = exact_exp(w[t] - top);
       sum += w[t];
     }
     float* o = out + static_cast<int64_t>(i) * d;
@@ -121,6 +141,57 @@ void attend_row(const Row& row, int h, const float* q, int64_t q_rep_stride, int
     }
   }
 }
+
+}  // namespace
+
+void write_and_attend(const Segments& seg, const std::vector<float*>& storage, View q, View k, View v, int rows,
+                      int n_kv, int rep, int d, float* out) {
+  std::vector<Row> table;
+  for (size_t s = 0; s < seg.starts.size(); ++s) {
+    int slots = seg.sinks[s] + seg.rings[s];
+    for (int j = 0; j < seg.rows[s]; ++j) {  // the segment's new rows at their slots
+      Row row{seg.starts[s] + j, static_cast<int>(2 * s), seg.sinks[s], seg.windows[s], seg.rings[s]};
+      int r = static_cast<int>(table.size()), slot = row.slot(row.position);
+      for (int h = 0; h < n_kv; ++h)
+        for (int l = 0; l < d; ++l) {
+          storage[2 * s][(static_cast<int64_t>(h) * slots + slot) * d + l] = k.at(h, r, l);
+          storage[2 * s + 1][(static_cast<int64_t>(h) * slots + slot) * d + l] = v.at(h, r, l);
+        }
+      table.push_back(row);
+    }
+  }
+  auto work = [&](int first, int last) {  // (row, head) items [first, last)
+    std::vector<int> visible;
+    std::vector<float> w;
+    std::vector<float> qbuf(static_cast<size_t>(rep) * d);
+    for (int item = first; item < last; ++item) {
+      int r = item / n_kv, h = item % n_kv;
+      const Row& row = table[r];
+      for (int i = 0; i < rep; ++i)  // the row's query heads, contiguous
+        for (int l = 0; l < d; ++l)
+          qbuf[static_cast<size_t>(i) * d + l] = q.at4(r, h, i, l);
+      attend_row(row, h, qbuf.data(), d, rep, d, storage[row.cache], storage[row.cache + 1],
+                 row.sink + row.ring, out + (static_cast<int64_t>(r) * n_kv + h) * rep * d, visible, w);
+    }
+  };
+  int items = rows * n_kv;
+  int64_t cost = 0;
+  for (const Row& row : table)
+    cost += static_cast<int64_t>(std::min(row.sink, row.position + 1) + row.window + 1) * n_kv * rep * d;
+  int threads = cost < (1 << 21) ? 1 : std::min<int>(items, std::max(1u, std::thread::hardware_concurrency()));
+  if (threads == 1) {
+    work(0, items);
+    return;
+  }
+  std::vector<std::thread> pool;
+  for (int t = 1; t < threads; ++t)
+    pool.emplace_back(work, items * t / threads, items * (t + 1) / threads);
+  work(0, items / threads);
+  for (auto& th : pool)
+    th.join();
+}
+
+namespace {
 
 class ExactAttention : public mx::UnaryPrimitive {
  public:
@@ -141,53 +212,9 @@ class ExactAttention : public mx::UnaryPrimitive {
     }
     const mx::array& q = inputs[0];
     int rows = q.shape(0), n_kv = q.shape(1), rep = q.shape(2), d = q.shape(3);
-    encoder.dispatch([seg = seg_, storage, k = view3(inputs[1]), v = view3(inputs[2]), qd = q.data<float>(),
-                      qs0 = q.strides(0), qs1 = q.strides(1), qs2 = q.strides(2), qs3 = q.strides(3), rows, n_kv, rep,
-                      d, out = output.data<float>()]() {
-      std::vector<Row> table;
-      for (size_t s = 0; s < seg.starts.size(); ++s) {
-        int slots = seg.sinks[s] + seg.rings[s];
-        for (int j = 0; j < seg.rows[s]; ++j) {  // the segment's new rows at their slots
-          Row row{seg.starts[s] + j, static_cast<int>(2 * s), seg.sinks[s], seg.windows[s], seg.rings[s]};
-          int r = static_cast<int>(table.size()), slot = row.slot(row.position);
-          for (int h = 0; h < n_kv; ++h)
-            for (int l = 0; l < d; ++l) {
-              storage[2 * s][(static_cast<int64_t>(h) * slots + slot) * d + l] = k.at(h, r, l);
-              storage[2 * s + 1][(static_cast<int64_t>(h) * slots + slot) * d + l] = v.at(h, r, l);
-            }
-          table.push_back(row);
-        }
-      }
-      auto work = [&](int first, int last) {  // (row, head) items [first, last)
-        std::vector<int> visible;
-        std::vector<float> w;
-        std::vector<float> qbuf(static_cast<size_t>(rep) * d);
-        for (int item = first; item < last; ++item) {
-          int r = item / n_kv, h = item % n_kv;
-          const Row& row = table[r];
-          for (int i = 0; i < rep; ++i)  // the row's query heads, contiguous
-            for (int l = 0; l < d; ++l)
-              qbuf[static_cast<size_t>(i) * d + l] = qd[r * qs0 + h * qs1 + i * qs2 + l * qs3];
-          attend_row(row, h, qbuf.data(), d, rep, d, storage[row.cache], storage[row.cache + 1],
-                     row.sink + row.ring, out + (static_cast<int64_t>(r) * n_kv + h) * rep * d, visible, w);
-        }
-      };
-      int items = rows * n_kv;
-      int64_t cost = 0;
-      for (const Row& row : table)
-        cost += static_cast<int64_t>(std::min(row.sink, row.position + 1) + row.window + 1) * n_kv * rep * d;
-      int threads = cost < (1 << 21) ? 1 : std::min<int>(items, std::max(1u, std::thread::hardware_concurrency()));
-      if (threads == 1) {
-        work(0, items);
-        return;
-      }
-      std::vector<std::thread> pool;
-      for (int t = 1; t < threads; ++t)
-        pool.emplace_back(work, items * t / threads, items * (t + 1) / threads);
-      work(0, items / threads);
-      for (auto& th : pool)
-        th.join();
-    });
+    View qv{q.data<float>(), q.strides(0), q.strides(1), q.strides(2), q.strides(3)};
+    encoder.dispatch([seg = seg_, storage, k = view3(inputs[1]), v = view3(inputs[2]), qv, rows, n_kv, rep, d,
+                      out = output.data<float>()]() { write_and_attend(seg, storage, qv, k, v, rows, n_kv, rep, d, out); });
   }
 
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {

@@ -1,6 +1,7 @@
 // exact_attention.h: one MLX node for a layer's attention over the rows of many sessions.
 #pragma once
 
+#include <cstdint>
 #include <vector>
 
 #include "mlx/mlx.h"
@@ -12,6 +13,23 @@ namespace exact_attention {
 struct Segments {
   std::vector<int> starts, rows, sinks, windows, rings;
 };
+
+// A float array of up to 4 dimensions by its strides (elements).
+struct View {
+  const float* data;
+  int64_t s0, s1, s2, s3;
+  float at(int i, int j, int l) const { return data[i * s0 + j * s1 + l * s2]; }
+  float at4(int i, int j, int l, int m) const { return data[i * s0 + j * s1 + l * s2 + m * s3]; }
+};
+
+// e^x with the same bits on every machine (IEEE +, -, * and exact scaling only).
+float exact_exp(float x);
+
+// What the node does when it runs: each segment's K/V rows (k, v: (n_kv, R, D)) written into
+// its storage (storage[2s], storage[2s + 1]: (n_kv, sink + ring, D) each), then every row's
+// attention from q (R, n_kv, rep, D) into out (R, n_kv, rep, D), row-major.
+void write_and_attend(const Segments& seg, const std::vector<float*>& storage, View q, View k, View v, int rows,
+                      int n_kv, int rep, int d, float* out);
 
 // attend(q (R, n_kv, rep, D), k (n_kv, R, D), v (n_kv, R, D), caches [K_0, V_0, K_1, V_1, ...]
 // each (n_kv, sink + ring, D) float32 materialized storage, segments) -> attn (R, n_kv, rep, D).

@@ -11,7 +11,8 @@
 //
 // Python: bind_kernel(path) -> None; is_bound() -> bool;
 //         qmatmul(x, blocks, fmt) -> x @ dequant(blocks).T;
-//         attend(...): a layer's attention for many sessions (exact_attention.cpp; needs no kernel)
+//         attend(...): a layer's attention for many sessions (exact_attention.cpp; needs no kernel);
+//         block(...): a whole transformer block for many sessions (exact_layer.cpp; needs the kernel)
 //   x: float32 (..., K); blocks: uint8 (N, K / 32 * block bytes), row n = output feature n;
 //   fmt: ggml type id (3 = Q4_1, 8 = Q8_0). Returns float32 (..., N).
 
@@ -27,6 +28,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "exact_attention.h"
+#include "exact_layer.h"
 
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/mlx.h"
@@ -40,6 +42,19 @@ namespace {
 using qgemm_fn = int (*)(int fmt, int m, int n, int k, const float* a, long lda, const void* q, long ldq,
                          float* c, long ldc);
 qgemm_fn kernel = nullptr;  // exact_qgemm of the bound exact-gemm library
+using sgemm_fn = void (*)(int order, int trans_a, int trans_b, int m, int n, int k, float alpha, const float* a,
+                          int lda, const float* b, int ldb, float beta, float* c, int ldc);
+sgemm_fn sgemm = nullptr;  // cblas_sgemm of the same library: what MLX's fp32 matmul calls in this process
+
+// exact_layer's products: fp32 rows as MLX's `x @ W.T` calls them (row-major, W transposed),
+// GGUF blocks through exact_qgemm (bitwise the former on the dequantized W).
+bool linear(int fmt, int m, int n, int k, const float* x, const void* w, long ldw, float* y) {
+  if (fmt == 0) {
+    sgemm(101, 111, 112, m, n, k, 1.0f, x, k, static_cast<const float*>(w), k, 0.0f, y, n);
+    return true;
+  }
+  return kernel(fmt, m, n, k, x, k, w, ldw, y, n) == 0;
+}
 
 constexpr int kQ4_1 = 3, kQ8_0 = 8, kBlock = 32;
 
@@ -156,7 +171,23 @@ void bind_kernel(const std::string& path) {
   auto fn = reinterpret_cast<qgemm_fn>(dlsym(lib, "exact_qgemm"));
   if (fn == nullptr)
     throw std::runtime_error("exact_quant: " + path + " has no exact_qgemm (an older exact-gemm build?)");
+  auto gemm = reinterpret_cast<sgemm_fn>(dlsym(lib, "cblas_sgemm"));
+  if (gemm == nullptr)
+    throw std::runtime_error("exact_quant: " + path + " has no cblas_sgemm");
   kernel = fn;
+  sgemm = gemm;
+}
+
+mx::array block(const mx::array& h, const std::vector<mx::array>& weights, const std::vector<mx::array>& caches,
+                std::vector<int> ints, std::vector<float> floats, exact_attention::Segments seg) {
+  if (kernel == nullptr || sgemm == nullptr)
+    throw std::runtime_error("exact_quant: no kernel bound; call bind_kernel(path of the exact-gemm library) first");
+  if (ints.size() != 11 || floats.size() != 5)
+    throw std::invalid_argument("exact_layer: 11 ints (n_heads, n_kv, head_dim, hidden, inter, rope_dims, "
+                                "rope_traditional, 4 formats) and 5 floats (eps_in, eps_post, scale, rope_base, rope_scale)");
+  exact_layer::Shape s{ints[0], ints[1], ints[2], ints[3], ints[4], ints[5], ints[6], {ints[7], ints[8], ints[9], ints[10]},
+                       floats[0], floats[1], floats[2], floats[3], floats[4]};
+  return exact_layer::block(h, weights, caches, s, seg, &linear);
 }
 
 }  // namespace
@@ -168,6 +199,17 @@ NB_MODULE(_exact_quant, m) {
   m.def("is_bound", []() { return kernel != nullptr; });
   m.def("qmatmul", &qmatmul, nb::arg("x"), nb::arg("blocks"), nb::arg("fmt"),
         "x (..., K) float32 @ dequant(blocks).T, blocks uint8 (N, K/32*bytes): float32 (..., N)");
+  m.def(
+      "block",
+      [](const mx::array& h, const std::vector<mx::array>& weights, const std::vector<mx::array>& caches,
+         std::vector<int> ints, std::vector<float> floats, std::vector<int> starts, std::vector<int> rows,
+         std::vector<int> sinks, std::vector<int> windows, std::vector<int> rings) {
+        return block(h, weights, caches, ints, floats, {starts, rows, sinks, windows, rings});
+      },
+      nb::arg("h"), nb::arg("weights"), nb::arg("caches"), nb::arg("ints"), nb::arg("floats"), nb::arg("starts"),
+      nb::arg("rows"), nb::arg("sinks"), nb::arg("windows"), nb::arg("rings"),
+      "A whole transformer block for the rows of many sessions (native/exact_layer.cpp): h' (1, R, hidden); "
+      "the caches' storage receives the rows in place when it runs");
   m.def(
       "attend",
       [](const mx::array& q, const mx::array& k, const mx::array& v, const std::vector<mx::array>& caches,

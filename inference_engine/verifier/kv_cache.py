@@ -153,7 +153,7 @@ class SinkWindowKVCache:
 
     Protocol (as mlx-lm caches): `offset`, `update_and_fetch`, `trim`, `nbytes`, `state`,
     plus `attention_groups` for attention as MLX ops, `layout` and `reserve` for the native
-    attention kernel (model/attention_kernel.py), and `canonical_state` for digests.
+    attention kernel (model/native_kernels.py), and `canonical_state` for digests.
 
     The storage arrays are this cache's own buffers: the native kernel writes rows into them
     in place, so a state kept across a forward must be a copy (`Executor.snapshot`).

@@ -15,7 +15,9 @@ from inference_engine.blas import active_blas
 from inference_engine.model.packaged import resolve_model_path
 from inference_engine.process_exit import wait_for_stop_signal
 from inference_engine.readiness import announce
-from inference_engine.served_model import load_q4_1_model, q4_1_unavailable, release_start_up_memory, use_exact_attention
+from inference_engine.served_model import (
+    load_q4_1_model, q4_1_unavailable, release_start_up_memory, use_native_kernels,
+)
 from inference_engine.shard.worker.config import ShardWorkerConfig, worker_config_from_args
 from inference_engine.shard.worker.engine import ShardEngine
 
@@ -29,7 +31,7 @@ def build_engine(cfg: ShardWorkerConfig) -> ShardEngine:
     """The worker's engine, loaded (weights read, tile probed unless `cfg.block` is set)."""
     from inference_engine.shard.worker.mlx_engine import MlxShardEngine
 
-    use_exact_attention(cfg.cache_dir)  # as the server does: the same attention bits on every hop
+    use_native_kernels(cfg.cache_dir)  # as the server does: the same block arithmetic on every hop
     path = resolve_model_path(cfg.model, cfg.cache_dir)
     source: object = path  # fp32: the folder, of which only this worker's layers are read
     weights = "fp32"
