@@ -90,6 +90,49 @@ View view3(const mx::array& a) {
   return {a.data<float>(), a.strides(0), a.strides(1), a.strides(2), 0};
 }
 
+typedef float v4 __attribute__((vector_size(16)));
+
+inline v4 load4(const float* p) {
+  v4 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// exact_dot.h's 8-lane dot (lane j sums k = j, j + 8, ... in order; then hsum8's tree), held
+// as two 4-lane halves so the accumulators stay in registers on SSE and NEON alike (GCC
+// spills a generic 8-lane vector there): lo = lanes 0..3, hi = lanes 4..7; the same bits.
+inline float dot8(const float* x, const float* y, int d) {
+  v4 lo = {0, 0, 0, 0}, hi = {0, 0, 0, 0};
+  int full = d / 8 * 8;
+  for (int l = 0; l < full; l += 8) {
+    lo = lo + load4(x + l) * load4(y + l);
+    hi = hi + load4(x + l + 4) * load4(y + l + 4);
+  }
+  if (full < d) {  // the zero-padded last step of load_tail
+    float xs[8] = {0}, ys[8] = {0};
+    std::memcpy(xs, x + full, sizeof(float) * (d - full));
+    std::memcpy(ys, y + full, sizeof(float) * (d - full));
+    lo = lo + load4(xs) * load4(ys);
+    hi = hi + load4(xs + 4) * load4(ys + 4);
+  }
+  return ((lo[0] + hi[0]) + (lo[2] + hi[2])) + ((lo[1] + hi[1]) + (lo[3] + hi[3]));
+}
+
+// o[0..32) = sum over t < n, in order, of w[t] * v[rows[t] * d + l] (each product and sum
+// rounded), starting from 0: eight 4-lane accumulators kept in registers.
+inline void weighted_sum32(const float* w, const float* v, const int* rows, int n, int d, float* o) {
+  v4 acc[8];
+  for (int c = 0; c < 8; ++c)
+    acc[c] = (v4){0, 0, 0, 0};
+  for (int t = 0; t < n; ++t) {
+    const float* vt = v + static_cast<int64_t>(rows[t]) * d;
+    v4 wt = {w[t], w[t], w[t], w[t]};
+    for (int c = 0; c < 8; ++c)
+      acc[c] = acc[c] + wt * load4(vt + 4 * c);
+  }
+  std::memcpy(o, acc, sizeof acc);
+}
+
 struct Row {  // one query row: where it is and what it sees
   int position, cache, sink, window, ring;  // cache: index of its segment's K (2 * segment)
   int slot(int p) const { return p < sink ? p : sink + (p - sink) % ring; }
@@ -105,19 +148,13 @@ void attend_row(const Row& row, int h, const float* q, int64_t q_rep_stride, int
     visible.push_back(row.slot(p));
   const float* kh = keys + static_cast<int64_t>(h) * slots * d;
   const float* vh = values + static_cast<int64_t>(h) * slots * d;
-  int n = static_cast<int>(visible.size()), full = d / 8 * 8;
+  int n = static_cast<int>(visible.size());
   w.resize(n);
   for (int i = 0; i < rep; ++i) {
     const float* qi = q + i * q_rep_stride;
     float top = -INFINITY;
     for (int t = 0; t < n; ++t) {
-      const float* kt = kh + static_cast<int64_t>(visible[t]) * d;
-      v8 acc = {0};
-      for (int l = 0; l < full; l += 8)
-        acc = dot_step(acc, load8(qi + l), load8(kt + l));
-      if (full < d)
-        acc = dot_step(acc, load_tail(qi + full, d - full), load_tail(kt + full, d - full));
-      w[t] = hsum8(acc);
+      w[t] = dot8(qi, kh + static_cast<int64_t>(visible[t]) * d, d);
       top = std::max(top, w[t]);
     }
     float sum = 0.0f;
@@ -126,18 +163,17 @@ void attend_row(const Row& row, int h, const float* q, int64_t q_rep_stride, int
       sum += w[t];
     }
     float* o = out + static_cast<int64_t>(i) * d;
-    for (int l = 0; l < d; ++l)
-      o[l] = 0.0f;
-    for (int t = 0; t < n; ++t) {  // o[l] += w_t * v_t[l], t in position order; 8 l at a time
-      float wt = w[t] / sum;
-      v8 ws = splat8(wt);
-      const float* vt = vh + static_cast<int64_t>(visible[t]) * d;
-      for (int l = 0; l < full; l += 8) {
-        v8 acc = dot_step(load8(o + l), ws, load8(vt + l));
-        std::memcpy(o + l, &acc, sizeof acc);
-      }
-      for (int l = full; l < d; ++l)
-        o[l] = o[l] + wt * vt[l];
+    for (int t = 0; t < n; ++t)
+      w[t] = w[t] / sum;
+    // o[l] = sum over t, in position order, of w_t * v_t[l] (from 0): 32 l at a time in registers
+    int l = 0;
+    for (; l + 32 <= d; l += 32)
+      weighted_sum32(w.data(), vh + l, visible.data(), n, d, o + l);
+    for (; l < d; ++l) {
+      float acc = 0.0f;
+      for (int t = 0; t < n; ++t)
+        acc = acc + w[t] * vh[static_cast<int64_t>(visible[t]) * d + l];
+      o[l] = acc;
     }
   }
 }
