@@ -212,8 +212,8 @@ async def test_connect_shards_checks_the_route(workers, real_model, real_engine,
     finally:
         engine.close()
     assert await connect_shards(make_config(), real_engine) == (None, None)
-    with pytest.raises(OSError, match="shard route 127.0.0.1:1: "):
-        await connect_shards(make_config(shards=("127.0.0.1:1",)), real_engine)
+    with pytest.raises(OSError, match="shard route 127.0.0.1:1: "):  # after waiting the recovery timeout for it
+        await connect_shards(make_config(shards=("127.0.0.1:1",), shard_recovery_timeout_s=1.0), real_engine)
     assert isinstance(real_engine.backend, LocalBackend)
 
 

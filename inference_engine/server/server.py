@@ -37,6 +37,7 @@ from inference_engine.server.metrics_http import MetricsEndpoint
 from inference_engine.shard.client.route import ShardRoute
 from inference_engine.shard.client.route_backend import RouteBackend
 from inference_engine.shard.client.supervisor import WorkerFlags, WorkerSupervisor
+from inference_engine.shard.protocol.errors import ShardUnavailable
 from inference_engine.verifier.tile_probe import fp32_mismatches
 
 log = logging.getLogger(__name__)
@@ -118,7 +119,7 @@ async def connect_shards(cfg: ServerConfig, engine: Engine) -> tuple[ShardRoute 
     route = ShardRoute(addresses, cfg.shard_recovery_timeout_s,
                        channel_security=supervisor.client_security if supervisor is not None else cfg.shard_security)
     try:
-        await route.start()
+        await _reach(route, cfg.shard_recovery_timeout_s)
         g = engine.geometry(1, 1)
         route.check_serves(model_fingerprint(engine.loaded.model), active_blas(), g.max_block, g.max_rollback)
         engine.use_backend(RouteBackend(route, engine.spec, engine.block))
@@ -131,6 +132,21 @@ async def connect_shards(cfg: ServerConfig, engine: Engine) -> tuple[ShardRoute 
         raise
     log.info("layers run on the shard route %s (block %d)", ",".join(addresses), engine.block)
     return route, supervisor
+
+
+async def _reach(route: ShardRoute, wait_s: float) -> None:
+    """Connect the route, waiting up to `wait_s` for workers still starting: `--shards` workers
+    started with the server (the README's example) may load their layers longer than it does."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            await route.start()
+            return
+        except ShardUnavailable as exc:
+            if time.monotonic() >= deadline:
+                raise
+            log.info("waiting for the shard route: %s", exc)
+            await asyncio.sleep(0.5)
 
 
 async def start_server(runtime: Runtime, host: str, port: int) -> tuple[grpc.aio.Server, int]:
