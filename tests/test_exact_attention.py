@@ -216,3 +216,54 @@ def test_a_snapshot_survives_the_in_place_writes_that_follow(kernel):
     fresh = LocalExecutor(backend, g)
     assert np.array_equal(np.array(forward(loaded.model, list(range(1, 16)), fresh.cache)[-1]), np.array(again[-1]))
     assert first.shape[0] == 14
+
+
+def cpu_has_avx2() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and " avx2" in line for line in f)
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("d", [64, 12, 72])
+def test_avx2_attention_and_silu_are_the_portable_bits(kernel, d) -> None:
+    """The 8-lane AVX2 variants (attention, and the SiLU inside the block) against the portable
+    code on one batch: sessions of 1, 2 and 7 rows (odd key counts, a wrapped ring), head dims
+    with and without a remainder of 8 (the servers' is 64), then a native block forward."""
+    from inference_engine.quant_kernel import _import, extension_path
+
+    module = _import(extension_path())
+    rng = np.random.default_rng(d)
+    g = CacheGeometry(sink=2, window=9, max_block=8, max_rollback=2)
+    offsets, rows = [0, 23, 5], [1, 2, 7]
+    r = sum(rows)
+    q = mx.array((rng.standard_normal((r, N_KV, REP, d)) * 3).astype(np.float32))
+    k, v = (mx.array(rng.standard_normal((N_KV, r, d)).astype(np.float32)) for _ in range(2))
+    stored = [(rng.standard_normal((N_KV, g.slots, d)).astype(np.float32),
+               rng.standard_normal((N_KV, g.slots, d)).astype(np.float32)) for _ in offsets]
+
+    def attend() -> bytes:
+        caches = [SinkWindowKVCache(g, N_KV, d) for _ in offsets]
+        for c, offset, (ks, vs) in zip(caches, offsets, stored):
+            c.keys, c.values, c.offset = mx.array(ks), mx.array(vs), offset
+            mx.eval(c.keys, c.values)
+        return np.array(native_kernels.attend(kernel, q, k, v, caches, rows)).tobytes()
+
+    model = random_model(seed=3)
+
+    def block_logits() -> bytes:
+        executor = LocalExecutor(LocalBackend(model.model, model.spec, max_block=64),
+                                 CacheGeometry(sink=4, window=32, max_block=64, max_rollback=4))
+        return np.array(forward(model.model, list(range(1, 40)), executor.cache)).tobytes()
+
+    previous = module.set_avx2(True)
+    try:
+        assert previous == cpu_has_avx2()  # on by default wherever the CPU has it
+        wide = attend(), block_logits()
+        module.set_avx2(False)
+        portable = attend(), block_logits()
+    finally:
+        module.set_avx2(previous)
+    assert wide[0] == portable[0]
+    assert wide[1] == portable[1]

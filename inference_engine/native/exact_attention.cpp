@@ -32,57 +32,15 @@
 #include <string>
 #include <thread>
 
+#include "exact_attention_avx2.h"
 #include "exact_dot.h"
+#include "exact_exp.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/primitives.h"
 
 namespace mx = mlx::core;
 
 namespace exact_attention {
-
-// e^x from IEEE +, -, * and exact scaling only, so every machine and libm gives the same bits
-// (glibc's expf picks FMA code by CPU): x = n ln2 + r, |r| <= ln2 / 2 (Cody-Waite, two-part
-// ln2), e^r by its degree-7 Taylor polynomial (Horner), times 2^n. Within 2 ulp of e^x.
-namespace {
-
-float pow2(int n) {  // 2^n for -126 <= n <= 127, from its bits
-  uint32_t bits = static_cast<uint32_t>(n + 127) << 23;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-// p * 2^n with one rounding, as ldexp (p in [0.5, 2), n in [-151, 128]): exact while the
-// result is normal; below, one exact scaling, then the one rounding into the subnormals.
-float scale2(float p, int n) {
-  if (n > 127)
-    return (p * pow2(127)) * pow2(n - 127);
-  if (n >= -126)
-    return p * pow2(n);
-  return (p * pow2(n + 64)) * pow2(-64);
-}
-
-}  // namespace
-
-float exact_exp(float x) {
-  if (x < -104.0f)
-    return 0.0f;
-  if (x > 89.0f)
-    return INFINITY;
-  if (x != x)
-    return x;
-  float n = std::floor(x * 1.44269504f + 0.5f);
-  float r = (x - n * 0.693145752f) - n * 1.42860677e-06f;
-  float p = 1.0f / 5040.0f;
-  p = p * r + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  return scale2(p, static_cast<int>(n));
-}
 
 namespace {
 
@@ -104,6 +62,7 @@ inline v4 load4(const float* p) {
 inline float dot8(const float* x, const float* y, int d) {
   v4 lo = {0, 0, 0, 0}, hi = {0, 0, 0, 0};
   int full = d / 8 * 8;
+#pragma GCC unroll 8
   for (int l = 0; l < full; l += 8) {
     lo = lo + load4(x + l) * load4(y + l);
     hi = hi + load4(x + l + 4) * load4(y + l + 4);
@@ -119,17 +78,23 @@ inline float dot8(const float* x, const float* y, int d) {
 }
 
 // o[0..32) = sum over t < n, in order, of w[t] * v[rows[t] * d + l] (each product and sum
-// rounded), starting from 0: eight 4-lane accumulators kept in registers.
+// rounded), starting from 0: eight 4-lane accumulators kept in registers (unrolled: as a loop
+// GCC keeps them in memory, a store and reload on every t).
 inline void weighted_sum32(const float* w, const float* v, const int* rows, int n, int d, float* o) {
-  v4 acc[8];
-  for (int c = 0; c < 8; ++c)
-    acc[c] = (v4){0, 0, 0, 0};
+  v4 a0 = {0, 0, 0, 0}, a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
   for (int t = 0; t < n; ++t) {
     const float* vt = v + static_cast<int64_t>(rows[t]) * d;
     v4 wt = {w[t], w[t], w[t], w[t]};
-    for (int c = 0; c < 8; ++c)
-      acc[c] = acc[c] + wt * load4(vt + 4 * c);
+    a0 = a0 + wt * load4(vt);
+    a1 = a1 + wt * load4(vt + 4);
+    a2 = a2 + wt * load4(vt + 8);
+    a3 = a3 + wt * load4(vt + 12);
+    a4 = a4 + wt * load4(vt + 16);
+    a5 = a5 + wt * load4(vt + 20);
+    a6 = a6 + wt * load4(vt + 24);
+    a7 = a7 + wt * load4(vt + 28);
   }
+  v4 acc[8] = {a0, a1, a2, a3, a4, a5, a6, a7};
   std::memcpy(o, acc, sizeof acc);
 }
 
@@ -138,9 +103,10 @@ struct Row {  // one query row: where it is and what it sees
   int slot(int p) const { return p < sink ? p : sink + (p - sink) % ring; }
 };
 
-// Scores, softmax and weighted sum of one (row, KV head) for its `rep` query heads.
-void attend_row(const Row& row, int h, const float* q, int64_t q_rep_stride, int rep, int d, const float* keys,
-                const float* values, int slots, float* out, std::vector<int>& visible, std::vector<float>& w) {
+// Scores, softmax and weighted sum of one (row, KV head) for its `rep` query heads (q: rep
+// rows of d). `w` holds the rep heads' scores side by side: each key row is read once for all.
+void attend_row(const Row& row, int h, const float* q, int rep, int d, const float* keys, const float* values,
+                int slots, float* out, std::vector<int>& visible, std::vector<float>& w) {
   visible.clear();
   for (int p = 0; p < std::min(row.sink, row.position + 1); ++p)
     visible.push_back(row.slot(p));
@@ -149,30 +115,37 @@ void attend_row(const Row& row, int h, const float* q, int64_t q_rep_stride, int
   const float* kh = keys + static_cast<int64_t>(h) * slots * d;
   const float* vh = values + static_cast<int64_t>(h) * slots * d;
   int n = static_cast<int>(visible.size());
-  w.resize(n);
+#if defined(__x86_64__)
+  if (avx2::supported())  // the same operations, 8 lanes to an instruction
+    return avx2::attend(visible.data(), n, q, rep, d, kh, vh, out, w);
+#endif
+  w.resize(static_cast<size_t>(rep) * n);
+  for (int t = 0; t < n; ++t) {
+    const float* kt = kh + static_cast<int64_t>(visible[t]) * d;
+    for (int i = 0; i < rep; ++i)
+      w[static_cast<size_t>(i) * n + t] = dot8(q + static_cast<int64_t>(i) * d, kt, d);
+  }
   for (int i = 0; i < rep; ++i) {
-    const float* qi = q + i * q_rep_stride;
+    float* wi = w.data() + static_cast<size_t>(i) * n;
     float top = -INFINITY;
-    for (int t = 0; t < n; ++t) {
-      w[t] = dot8(qi, kh + static_cast<int64_t>(visible[t]) * d, d);
-      top = std::max(top, w[t]);
-    }
+    for (int t = 0; t < n; ++t)
+      top = std::max(top, wi[t]);
     float sum = 0.0f;
     for (int t = 0; t < n; ++t) {
-      w[t] = exact_exp(w[t] - top);
-      sum += w[t];
+      wi[t] = exact_exp(wi[t] - top);
+      sum += wi[t];
     }
-    float* o = out + static_cast<int64_t>(i) * d;
     for (int t = 0; t < n; ++t)
-      w[t] = w[t] / sum;
+      wi[t] = wi[t] / sum;
+    float* o = out + static_cast<int64_t>(i) * d;
     // o[l] = sum over t, in position order, of w_t * v_t[l] (from 0): 32 l at a time in registers
     int l = 0;
     for (; l + 32 <= d; l += 32)
-      weighted_sum32(w.data(), vh + l, visible.data(), n, d, o + l);
+      weighted_sum32(wi, vh + l, visible.data(), n, d, o + l);
     for (; l < d; ++l) {
       float acc = 0.0f;
       for (int t = 0; t < n; ++t)
-        acc = acc + w[t] * vh[static_cast<int64_t>(visible[t]) * d + l];
+        acc = acc + wi[t] * vh[static_cast<int64_t>(visible[t]) * d + l];
       o[l] = acc;
     }
   }
@@ -206,7 +179,7 @@ void write_and_attend(const Segments& seg, const std::vector<float*>& storage, V
       for (int i = 0; i < rep; ++i)  // the row's query heads, contiguous
         for (int l = 0; l < d; ++l)
           qbuf[static_cast<size_t>(i) * d + l] = q.at4(r, h, i, l);
-      attend_row(row, h, qbuf.data(), d, rep, d, storage[row.cache], storage[row.cache + 1],
+      attend_row(row, h, qbuf.data(), rep, d, storage[row.cache], storage[row.cache + 1],
                  row.sink + row.ring, out + (static_cast<int64_t>(r) * n_kv + h) * rep * d, visible, w);
     }
   };

@@ -22,9 +22,6 @@ struct View {
   float at4(int i, int j, int l, int m) const { return data[i * s0 + j * s1 + l * s2 + m * s3]; }
 };
 
-// e^x with the same bits on every machine (IEEE +, -, * and exact scaling only).
-float exact_exp(float x);
-
 // What the node does when it runs: each segment's K/V rows (k, v: (n_kv, R, D)) written into
 // its storage (storage[2s], storage[2s + 1]: (n_kv, sink + ring, D) each), then every row's
 // attention from q (R, n_kv, rep, D) into out (R, n_kv, rep, D), row-major.

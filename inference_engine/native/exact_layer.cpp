@@ -20,10 +20,12 @@
 #include "exact_layer.h"
 
 #include <cmath>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
 #include "exact_dot.h"
+#include "exact_exp.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/primitives.h"
 
@@ -44,18 +46,50 @@ void rms_norm(const float* x, const float* w, float eps, int n, float* y) {
     y[l] = (x[l] * r) * w[l];
 }
 
-void rope(float* x, int dims, bool traditional, const std::vector<float>& inv_freq, float position) {
+// The row's rotation at `position`: cos and sin of position * inv_freq[i], in double, rounded
+// to float (once per row: every head of the row turns by the same angles).
+void angles(const std::vector<float>& inv_freq, float position, float* c, float* s) {
+  for (size_t i = 0; i < inv_freq.size(); ++i) {
+    float theta = position * inv_freq[i];
+    c[i] = static_cast<float>(std::cos(static_cast<double>(theta)));
+    s[i] = static_cast<float>(std::sin(static_cast<double>(theta)));
+  }
+}
+
+void rope(float* x, int dims, bool traditional, const float* cos, const float* sin) {
   int half = dims / 2;
   for (int i = 0; i < half; ++i) {
-    float theta = position * inv_freq[i];
-    float c = static_cast<float>(std::cos(static_cast<double>(theta)));
-    float s = static_cast<float>(std::sin(static_cast<double>(theta)));
+    float c = cos[i], s = sin[i];
     float* a = traditional ? x + 2 * i : x + i;
     float* b = traditional ? x + 2 * i + 1 : x + i + half;
     float x1 = *a, x2 = *b;
     *a = x1 * c - x2 * s;
     *b = x1 * s + x2 * c;
   }
+}
+
+// act = g * (1 / (1 + exact_exp(-g))) * u, element by element (8 at a time with AVX2: the same
+// operations per lane).
+#if defined(__x86_64__)
+AVX2_TARGET void silu_avx2(const float* g, const float* u, int n, float* act) {
+  int l = 0;
+  for (; l + 8 <= n; l += 8) {
+    v8 gl = load8(g + l);
+    v8 a = (gl * (1.0f / (1.0f + exact_math::exp8(-gl)))) * load8(u + l);
+    std::memcpy(act + l, &a, sizeof a);
+  }
+  for (; l < n; ++l)
+    act[l] = (g[l] * (1.0f / (1.0f + exact_exp(-g[l])))) * u[l];
+}
+#endif
+
+void silu(const float* g, const float* u, int n, float* act) {
+#if defined(__x86_64__)
+  if (exact_math::has_avx2())
+    return silu_avx2(g, u, n, act);
+#endif
+  for (int l = 0; l < n; ++l)
+    act[l] = (g[l] * (1.0f / (1.0f + exact_exp(-g[l])))) * u[l];
 }
 
 struct Job {  // what the dispatched task computes with (a copy: the node may be gone by then)
@@ -141,12 +175,14 @@ void Job::run(const float* h, const std::vector<const void*>& wv, const std::vec
       rms_norm(h + static_cast<size_t>(r) * s.hidden, norm_in, s.eps_in, s.hidden, x.data() + static_cast<size_t>(r) * s.hidden);
     product(0, rows, width, s.hidden, x.data(), mats[0], lds[0], qkv.data());
     int r = 0;
+    std::vector<float> cos(inv_freq.size()), sin(inv_freq.size());
     for (size_t g = 0; g < seg.starts.size(); ++g)
       for (int j = 0; j < seg.rows[g]; ++j, ++r) {
         float position = static_cast<float>(seg.starts[g] + j) * s.rope_scale;
         float* row = qkv.data() + static_cast<size_t>(r) * width;
+        angles(inv_freq, position, cos.data(), sin.data());
         for (int head = 0; head < s.n_heads + s.n_kv; ++head)
-          rope(row + static_cast<size_t>(head) * d, s.rope_dims, s.rope_traditional, inv_freq, position);
+          rope(row + static_cast<size_t>(head) * d, s.rope_dims, s.rope_traditional, cos.data(), sin.data());
         for (int l = 0; l < s.n_heads * d; ++l)
           row[l] = row[l] * s.scale;
       }
@@ -163,11 +199,10 @@ void Job::run(const float* h, const std::vector<const void*>& wv, const std::vec
       rms_norm(out + static_cast<size_t>(i) * s.hidden, norm_post, s.eps_post, s.hidden, x.data() + static_cast<size_t>(i) * s.hidden);
     std::vector<float> gu(static_cast<size_t>(rows) * 2 * s.inter), act(static_cast<size_t>(rows) * s.inter);
     product(2, rows, 2 * s.inter, s.hidden, x.data(), mats[2], lds[2], gu.data());
-    for (int i = 0; i < rows; ++i)
-      for (int l = 0; l < s.inter; ++l) {
-        float g = gu[static_cast<size_t>(i) * 2 * s.inter + l], u = gu[static_cast<size_t>(i) * 2 * s.inter + s.inter + l];
-        act[static_cast<size_t>(i) * s.inter + l] = (g * (1.0f / (1.0f + exact_attention::exact_exp(-g)))) * u;
-      }
+    for (int i = 0; i < rows; ++i) {
+      const float* g = gu.data() + static_cast<size_t>(i) * 2 * s.inter;
+      silu(g, g + s.inter, s.inter, act.data() + static_cast<size_t>(i) * s.inter);
+    }
     product(3, rows, s.hidden, s.inter, act.data(), mats[3], lds[3], y.data());
     for (size_t i = 0; i < y.size(); ++i)
       out[i] = out[i] + y[i];

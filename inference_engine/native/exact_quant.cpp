@@ -12,6 +12,7 @@
 // Python: bind_kernel(path) -> None; is_bound() -> bool;
 //         qmatmul(x, blocks, fmt) -> x @ dequant(blocks).T;
 //         attend(...): a layer's attention for many sessions (exact_attention.cpp; needs no kernel);
+//         set_avx2(on) -> previous: the 8-lane variants of attention and SiLU on or off (tests);
 //         block(...): a whole transformer block for many sessions (exact_layer.cpp; needs the kernel)
 //   x: float32 (..., K); blocks: uint8 (N, K / 32 * block bytes), row n = output feature n;
 //   fmt: ggml type id (3 = Q4_1, 8 = Q8_0). Returns float32 (..., N).
@@ -28,6 +29,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "exact_attention.h"
+#include "exact_exp.h"
 #include "exact_layer.h"
 
 #include "mlx/backend/cpu/encoder.h"
@@ -197,6 +199,19 @@ NB_MODULE(_exact_quant, m) {
   m.doc() = "x @ W.T with W in GGUF Q4_1/Q8_0 blocks, bitwise the exact-gemm fp32 product";
   m.def("bind_kernel", &bind_kernel, nb::arg("path"), "Compute with exact_qgemm of this exact-gemm library.");
   m.def("is_bound", []() { return kernel != nullptr; });
+  m.def(
+      "set_avx2",
+      [](bool on) {
+#if defined(__x86_64__)
+        return exact_math::set_avx2(on);
+#else
+        (void)on;
+        return false;
+#endif
+      },
+      nb::arg("on"),
+      "Whether attention and SiLU run their 8-lane AVX2 variants (where the CPU has AVX2); returns the previous "
+      "setting. For tests comparing them with the portable code: both give the same bits.");
   m.def("qmatmul", &qmatmul, nb::arg("x"), nb::arg("blocks"), nb::arg("fmt"),
         "x (..., K) float32 @ dequant(blocks).T, blocks uint8 (N, K/32*bytes): float32 (..., N)");
   m.def(
