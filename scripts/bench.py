@@ -163,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{c['aggregate']['many']['sessions']} sessions at once: {c['aggregate']['many_over_one']:.2f}x the tok/s of one"
           f" (same stream: {c['aggregate']['first_stream_identical']}); TTFT with {c['ttft']['busy_sessions']} streaming:"
           f" {c['ttft']['loaded_over_idle']:.2f}x idle; longest gap while another session appends"
-          f" {c['head_of_line']['append_tokens']} tokens: {c['head_of_line']['max_over_idle']:.2f}x the idle gap;"
+          f" {c['head_of_line']['append_tokens']} tokens: {c['head_of_line']['max_over_idle']:.2f}x the idle gap"
+          f" (p99 {c['head_of_line']['p99_over_idle']:.2f}x);"
           f" prompt lookup K=4 on a copy-back prompt: {c['lookup']['lookup_over_greedy']:.2f}x greedy")
     q = report["q4_1"]
     print("q4_1: " + ", ".join(f"{k} {v:.2f}x (target {q['targets'][k]})" for k, v in q["ratios"].items())

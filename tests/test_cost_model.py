@@ -9,10 +9,24 @@ def test_buckets_interpolate_and_extrapolate():
     assert m.estimate(3) is None
     m.observe(1, 0.010)
     assert m.estimate(1) == 0.010 and m.estimate(4) == 0.040  # unseen above: every row as dear as the known ones
-    m.observe(7, 0.016)  # bucket 8
-    assert abs(m.estimate(4) - 0.010 - 3 / 7 * 0.006) < 1e-12 and abs(m.estimate(16) - 0.032) < 1e-12
-    m.observe(8, 0.026)  # moving average: 0.8 * 0.016 + 0.2 * 0.026
-    assert abs(m.estimate(8) - 0.018) < 1e-12
+    m.observe(7, 0.016)  # bucket 8, a point at 7 rows
+    assert abs(m.estimate(4) - 0.010 - 3 / 6 * 0.006) < 1e-12 and abs(m.estimate(14) - 0.032) < 1e-12
+    m.observe(8, 0.026)  # moving averages: rows 0.8 * 7 + 0.2 * 8, seconds 0.8 * 0.016 + 0.2 * 0.026
+    assert abs(m.estimate(8) - 0.018 * 8 / 7.2) < 1e-12
+
+
+def test_an_estimate_follows_the_rows_the_scheduler_keeps_choosing():
+    """A stale cheap point must not keep predicting a larger batch cheap (the head-of-line regression:
+    one 5-row forward measured at 18 ms, then 9-row forwards at 140 ms were estimated at ~24 ms
+    for ever, since their observations went to bucket 16 while the estimate of 9 leaned on bucket 8)."""
+    m = CostModel(64)
+    m.observe(1, 0.0166)
+    m.observe(5, 0.0176)  # bucket 8
+    m.observe(268 // 4, 0.268)  # a prompt's forward, bucket 64
+    for _ in range(30):
+        m.observe(9, 0.140)  # bucket 16
+    assert m.estimate(9) > 0.12
+    assert m.append_budget(1, 63, 2.0, fallback=16) < 8  # 9 rows no longer fit twice a 1-row step
 
 
 def test_append_budget_keeps_the_stream_gap_within_the_slack():

@@ -6,6 +6,7 @@ stream mid-hand-over gave the append the whole batch (64 rows), and the stream's
 waited behind that forward (a 25x inter-token gap on the real model).
 """
 
+import asyncio
 import threading
 import time
 
@@ -136,3 +137,38 @@ def test_streams_handing_over_at_different_moments_stay_in_one_forward():
         sched.close()
     together = sum(1 for f in backend.forwards if len(f) == 2)
     assert together >= 28, backend.forwards  # every step but the first and the last, at most
+
+
+def test_a_fault_of_the_loop_ends_its_jobs_and_the_engine_thread_lives_on():
+    """A failure outside any one job (here the cost model, planning an append beside a stream) must not
+    kill the engine thread: before, every running and later call hung for ever."""
+    backend = FakeBackend()
+    sched = Scheduler(lambda: backend, max_rows=64)
+    aborted: list[BaseException | None] = []
+
+    class Failing(Stream):
+        def abort(self, exc):
+            aborted.append(exc)
+            super().abort(exc)
+
+    def broken_budget(*args, **kwargs):
+        raise ZeroDivisionError("a bug in the loop")
+
+    sched.cost.append_budget = broken_budget
+    stream, append = Failing(steps=1000, take_after_s=0.0), Append(tokens=1000)
+    stream.scheduler, backend.stream = sched, stream
+    try:
+        sched.start(stream)
+        sched.start(append)
+        deadline = time.monotonic() + 10
+        while not (stream.is_done and append.is_done) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert stream.is_done and append.is_done
+        assert len(aborted) == 1 and isinstance(aborted[0], ZeroDivisionError)
+
+        async def call() -> int:
+            return await asyncio.wait_for(sched.run(lambda: 41 + 1), timeout=10)
+
+        assert asyncio.run(call()) == 42  # the thread still serves calls
+    finally:
+        sched.close()

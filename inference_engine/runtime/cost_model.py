@@ -3,10 +3,14 @@
 The scheduler uses it to size the append rows it mixes into a batch while sessions are
 streaming: as many as keep the iteration within `slack` times what the decode rows alone
 would take, so a long append never stretches a stream's inter-token gap by more than that.
-Costs are kept per power-of-two bucket of rows (an exponential moving average of seconds
-per iteration) and interpolated; a bucket never seen is extrapolated from the largest one
-seen below it as if every row cost as much as that bucket's average row (pessimistic for
-the exact kernel, whose cost grows slower than its rows).
+Costs are kept per power-of-two bucket of rows, as a point: the exponential moving averages
+of the rows and of the seconds of the iterations that fell in it. Estimates interpolate
+between the points at their own rows, not at the buckets' bounds: an iteration of 9 rows
+counts as 9 rows, so when the scheduler keeps choosing 9 the 9-row estimate follows what
+they cost (with the bound 16 as its abscissa, a stale 8-row point would keep predicting 9
+rows cheap however slow they ran: an append then took 140 ms slices beside a 20 ms stream).
+Beyond the largest point every row costs as much as that point's average row (pessimistic
+for the exact kernel, whose cost grows slower than its rows).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ class CostModel:
         if self.buckets[-1] != max_rows:
             self.buckets.append(max_rows)
         self.decay = decay
-        self.seconds: dict[int, float] = {}  # bucket -> moving average
+        self.points: dict[int, tuple[float, float]] = {}  # bucket -> moving averages (rows, seconds)
 
     def _bucket(self, rows: int) -> int:
         return self.buckets[min(bisect.bisect_left(self.buckets, rows), len(self.buckets) - 1)]
@@ -35,24 +39,24 @@ class CostModel:
     def observe(self, rows: int, seconds: float) -> None:
         """Record one forward of `rows` rows that took `seconds`."""
         b = self._bucket(rows)
-        old = self.seconds.get(b)
-        self.seconds[b] = seconds if old is None else (1 - self.decay) * old + self.decay * seconds
+        old = self.points.get(b)
+        a = self.decay
+        self.points[b] = (rows, seconds) if old is None else ((1 - a) * old[0] + a * rows, (1 - a) * old[1] + a * seconds)
 
     def estimate(self, rows: int) -> float | None:
         """Seconds a forward of `rows` rows is expected to take (None before any observation at or below it)."""
-        known = sorted(self.seconds)
-        below = [b for b in known if b <= rows]
-        above = [b for b in known if b >= rows]
+        known = sorted(self.points.values())
+        below = [p for p in known if p[0] <= rows]
+        above = [p for p in known if p[0] >= rows]
         if not below:
             return None
-        lo = below[-1]
+        lo_rows, lo_s = below[-1]
         if not above:
-            return self.seconds[lo] * rows / lo
-        hi = above[0]
-        if hi == lo:
-            return self.seconds[lo]
-        f = (rows - lo) / (hi - lo)
-        return self.seconds[lo] + f * (self.seconds[hi] - self.seconds[lo])
+            return lo_s * rows / lo_rows
+        hi_rows, hi_s = above[0]
+        if hi_rows == lo_rows:
+            return lo_s
+        return lo_s + (rows - lo_rows) / (hi_rows - lo_rows) * (hi_s - lo_s)
 
     def append_budget(self, decode_rows: int, room: int, slack: float, fallback: int) -> int:
         """Append rows to add to `decode_rows` so the forward stays within `slack` times theirs alone.

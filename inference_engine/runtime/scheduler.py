@@ -220,8 +220,23 @@ class Scheduler:
             if closing and not self._deferred:
                 mx.synchronize()  # nothing of this thread's may still run in MLX when it ends (mlx#3126)
                 return
-            if self._iterate():
+            if self._iterate_or_fail():
                 self._wake.set()  # there may be more to do: go round again without sleeping
+
+    def _iterate_or_fail(self) -> bool:
+        """`_iterate`, containing a fault of the loop itself (not of one job, which `_iterate` keeps to
+        that job): the jobs it was running end with the error (their clients get INTERNAL and nothing
+        they did not see succeed is kept), and the thread lives on for every later call and job."""
+        try:
+            return self._iterate()
+        except Exception as exc:  # noqa: BLE001 - the engine thread must survive its own faults
+            log.exception("an engine loop iteration failed; ending the %d jobs it was running", len(self._jobs))
+            for job in self._jobs:
+                if not job.is_done:
+                    self._finish(job, exc)
+            self._jobs = []
+            self._last = None
+            return True
 
     def _run_ready_calls(self, closing: bool) -> None:
         busy = {id(j.session): j for j in self._jobs}

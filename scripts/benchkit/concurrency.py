@@ -111,8 +111,11 @@ def head_of_line(server: Any, prompts: Prompts, append_tokens: int, new_tokens: 
     idle = [g for g, at in gaps if at < t0]
     during = [g for g, at in gaps if t0 <= at <= t1 + 0.001] or [0.0]
     idle_ms = statistics.median(idle) * 1e3 if idle else float("nan")
+    ranked = sorted(during)
+    p50, p99 = ranked[len(ranked) // 2] * 1e3, ranked[min(len(ranked) - 1, int(0.99 * len(ranked)))] * 1e3
     return {"append_tokens": append_tokens, "append_s": t1 - t0, "idle_gap_ms": idle_ms,
             "max_gap_during_append_ms": max(during) * 1e3, "max_over_idle": max(during) * 1e3 / idle_ms,
+            "p50_gap_during_append_ms": p50, "p99_gap_during_append_ms": p99, "p99_over_idle": p99 / idle_ms,
             "gaps_during_append": len(during)}
 
 
