@@ -194,6 +194,8 @@ def test_the_block_kernel_refuses_bad_arguments(kernel):
          "11 ints"),
         ((h, list(plan.weights), [cache.keys, cache.values], list(plan.ints), list(plan.floats), [0], [1], *segs[2:]),
          "add up"),
+        ((h, list(plan.weights), [cache.keys, cache.values], list(plan.ints), list(plan.floats), *segs[:4], []),
+         "one start, row count"),  # a short list was read past its end
     ]
     for args, message in cases:
         with pytest.raises(ValueError, match=message):

@@ -249,29 +249,39 @@ void check(bool ok, const std::string& what) {
 
 }  // namespace
 
-mx::array attend(const mx::array& q, const mx::array& k, const mx::array& v, const std::vector<mx::array>& caches,
-                 const Segments& seg) {
+void check_segments(const Segments& seg, const std::vector<mx::array>& caches, int rows, int n_kv, int d,
+                    const std::string& who) {
+  auto check = [&who](bool ok, const std::string& what) {
+    if (!ok)
+      throw std::invalid_argument(who + ": " + what);
+  };
   size_t n = seg.starts.size();
   check(n > 0 && seg.rows.size() == n && seg.sinks.size() == n && seg.windows.size() == n && seg.rings.size() == n,
         "one start, row count, sink, window and ring per segment");
   check(caches.size() == 2 * n, "two caches (K, V) per segment");
-  check(q.ndim() == 4 && k.ndim() == 3 && v.ndim() == 3, "q (R, n_kv, rep, D), k and v (n_kv, R, D)");
-  int rows = q.shape(0), n_kv = q.shape(1), d = q.shape(3);
-  check(k.shape() == mx::Shape({n_kv, rows, d}) && v.shape() == k.shape(), "k and v must be (n_kv, R, D) of q's sizes");
   int total = 0;
   for (size_t s = 0; s < n; ++s) {
     check(seg.rows[s] >= 1 && seg.starts[s] >= 0 && seg.sinks[s] >= 0 && seg.windows[s] >= 0, "bad segment");
     check(seg.rings[s] >= seg.windows[s] + seg.rows[s], "a ring must hold the window and the segment's rows");
     total += seg.rows[s];
     for (int c = 0; c < 2; ++c)
-      check(caches[2 * s + c].shape() == mx::Shape({n_kv, seg.sinks[s] + seg.rings[s], d}), "a cache is not (n_kv, slots, D)");
+      check(caches[2 * s + c].dtype() == mx::float32 &&
+                caches[2 * s + c].shape() == mx::Shape({n_kv, seg.sinks[s] + seg.rings[s], d}),
+            "a cache is not (n_kv, slots, D) float32");
   }
-  check(total == rows, "the segments' rows must add up to q's rows");
+  check(total == rows, "the segments' rows must add up to the rows computed");
+}
+
+mx::array attend(const mx::array& q, const mx::array& k, const mx::array& v, const std::vector<mx::array>& caches,
+                 const Segments& seg) {
+  check(q.ndim() == 4 && k.ndim() == 3 && v.ndim() == 3, "q (R, n_kv, rep, D), k and v (n_kv, R, D)");
+  int rows = q.shape(0), n_kv = q.shape(1), d = q.shape(3);
+  check(k.shape() == mx::Shape({n_kv, rows, d}) && v.shape() == k.shape(), "k and v must be (n_kv, R, D) of q's sizes");
+  check(q.dtype() == mx::float32 && k.dtype() == mx::float32 && v.dtype() == mx::float32, "q, k and v must be float32");
+  check_segments(seg, caches, rows, n_kv, d, "exact_attention");
   std::vector<mx::array> inputs{q, k, v};
   for (const auto& c : caches)
     inputs.push_back(c);
-  for (const auto& a : inputs)
-    check(a.dtype() == mx::float32, "every array must be float32");
   return mx::array(q.shape(), mx::float32, std::make_shared<ExactAttention>(mx::to_stream({}), seg), inputs);
 }
 

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "mlx/mlx.h"
@@ -27,6 +28,12 @@ struct View {
 // attention from q (R, n_kv, rep, D) into out (R, n_kv, rep, D), row-major.
 void write_and_attend(const Segments& seg, const std::vector<float*>& storage, View q, View k, View v, int rows,
                       int n_kv, int rep, int d, float* out);
+
+// Throws std::invalid_argument("<who>: ...") unless `seg` describes `rows` rows in segments of
+// at least one row, each with its K and V storage in `caches` (n_kv, sink + ring, d) float32
+// and a ring that holds its window and rows.
+void check_segments(const Segments& seg, const std::vector<mlx::core::array>& caches, int rows, int n_kv, int d,
+                    const std::string& who);
 
 // attend(q (R, n_kv, rep, D), k (n_kv, R, D), v (n_kv, R, D), caches [K_0, V_0, K_1, V_1, ...]
 // each (n_kv, sink + ring, D) float32 materialized storage, segments) -> attn (R, n_kv, rep, D).

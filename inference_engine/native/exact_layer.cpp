@@ -238,18 +238,7 @@ mx::array block(const mx::array& h, const std::vector<mx::array>& weights, const
                 w.shape(1) == ins[i] / 32 * (fmt == 3 ? 20 : 34),
             "a block weight must be (out, in / 32 * block bytes) uint8 of Q4_1 or Q8_0");
   }
-  size_t n = seg.starts.size();
-  check(n > 0 && caches.size() == 2 * n, "two caches (K, V) per segment");
-  int total = 0;
-  for (size_t g = 0; g < n; ++g) {
-    check(seg.rows[g] >= 1 && seg.starts[g] >= 0 && seg.rings[g] >= seg.windows[g] + seg.rows[g], "bad segment");
-    total += seg.rows[g];
-    for (int c = 0; c < 2; ++c)
-      check(caches[2 * g + c].dtype() == mx::float32 &&
-                caches[2 * g + c].shape() == mx::Shape({s.n_kv, seg.sinks[g] + seg.rings[g], s.head_dim}),
-            "a cache is not (n_kv, slots, D) float32");
-  }
-  check(total == h.shape(1), "the segments' rows must add up to h's rows");
+  exact_attention::check_segments(seg, caches, h.shape(1), s.n_kv, s.head_dim, "exact_layer");
   std::vector<mx::array> inputs{h};
   inputs.insert(inputs.end(), weights.begin(), weights.end());
   inputs.insert(inputs.end(), caches.begin(), caches.end());
