@@ -36,7 +36,8 @@ a median over several repetitions with min and max:
 
 Usage: scripts/bench.py [--quick] [--out FILE]. The full run writes
 results/bench/<YYYY-MM-DD>-<host>.json; --quick is a seconds-long subset for CI.
---snapshots-only measures the snapshot section alone (results/snapshots/<date>-<host>.json).
+--snapshots-only measures the snapshot section alone (results/snapshots/<date>-<host>.json);
+--concurrency-only the many-sessions section alone (results/concurrency/<date>-<host>.json).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ import sys
 import time
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo (inference_engine)
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ (benchkit)
@@ -91,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="also measure decode over a 3-worker shard route vs one process, and per-hop latency")
     parser.add_argument("--snapshots-only", action="store_true",
                         help="only the session-snapshot section (results/snapshots/<date>-<host>.json)")
+    parser.add_argument("--concurrency-only", action="store_true",
+                        help="only the many-sessions section, q4_1 and fp32 servers (results/concurrency/<date>-<host>.json)")
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else FULL
 
@@ -115,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     phase("memory bandwidth")
     bandwidth = memory_bandwidth(plan.bandwidth_bytes, reps=2 if args.quick else 5)
+    if args.concurrency_only:
+        return concurrency_only(plan, prompts, bandwidth, args.out, phase)
     with ExitStack() as stack:
         phase("servers (q4_1, fp32): start, RSS, AppendTokens latency")
         contenders: dict[str, Contender] = {}
@@ -177,6 +183,27 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pipeline {'/'.join(p['ranges'])}: decode {fmt(p['pipeline']['decode_tok_s'])} tok/s vs single "
               f"process {fmt(p['single_process']['decode_tok_s'])} ({p['pipeline_over_single']:.2f}x); per hop ms "
               + ", ".join(f"{h['layers']} {h['mean_ms']:.2f}" for h in p["hops"]))
+    print(f"\nwrote {out}")
+    return 0
+
+
+def concurrency_only(plan, prompts, bandwidth: dict, out: Path | None, phase: Callable[[str], None]) -> int:
+    """The many-sessions figures alone (8 at once, TTFT under load, head-of-line, lookup), both weights."""
+    report: dict[str, Any] = {"meta": {"date": time.strftime("%Y-%m-%d"), "host": os.uname().nodename.split(".")[0]},
+                              "bandwidth": bandwidth}
+    with ExitStack() as stack:
+        for key, weights in (("concurrency", "q4_1"), ("concurrency_fp32", "fp32")):
+            phase(f"{weights} server: {plan.sessions} sessions at once, TTFT under load, head-of-line, prompt lookup")
+            server, _ = start_server(plan, prompts, stack, weights=weights)
+            report[key] = measure_concurrency(server, prompts, plan)
+    out = out or ROOT / "results" / "concurrency" / f"{report['meta']['date']}-{report['meta']['host']}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    for key in ("concurrency", "concurrency_fp32"):
+        c = report[key]
+        print(f"{key}: 8 vs 1 {c['aggregate']['many_over_one']:.2f}x (same stream: {c['aggregate']['first_stream_identical']}),"
+              f" TTFT loaded/idle {c['ttft']['loaded_over_idle']:.2f}x, head-of-line max {c['head_of_line']['max_over_idle']:.2f}x"
+              f" (p99 {c['head_of_line']['p99_over_idle']:.2f}x), lookup K=4 {c['lookup']['lookup_over_greedy']:.2f}x")
     print(f"\nwrote {out}")
     return 0
 

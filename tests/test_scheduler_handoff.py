@@ -68,6 +68,10 @@ class Append(Job):
         super().__init__(session=None)
         self.left, self._planned = tokens, 0
 
+    @property
+    def remaining(self) -> int:  # rows still to compute (the finishing rule reads it)
+        return self.left
+
     def plan(self, budget):
         if not self.left:
             self.is_done = True
@@ -172,3 +176,32 @@ def test_a_fault_of_the_loop_ends_its_jobs_and_the_engine_thread_lives_on():
         assert asyncio.run(call()) == 42  # the thread still serves calls
     finally:
         sched.close()
+
+
+def test_a_new_prompt_beside_streams_goes_whole_and_a_long_append_stays_sliced():
+    """A prompt that fits the rows left runs in one forward with the streams (its TTFT), where the
+    learnt budget would have sliced it; a long append beside the same stream keeps its small slices."""
+    backend = FakeBackend()
+    sched = Scheduler(lambda: backend, max_rows=64)
+    sched.cost.observe(1, 0.002)
+    sched.cost.observe(64, 0.200)  # rows are dear: the budget beside one stream is 1 row
+    stream, prompt, long = Stream(steps=60, take_after_s=0.001), Append(tokens=40), Append(tokens=100_000)
+    stream.scheduler, backend.stream = sched, stream
+    try:
+        sched.start(stream)
+        time.sleep(0.03)
+        sched.start(prompt)
+        deadline = time.monotonic() + 10
+        while not prompt.is_done and time.monotonic() < deadline:
+            time.sleep(0.005)
+        sched.start(long)
+        while not stream.is_done and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert stream.is_done
+    finally:
+        long.cancel()
+        sched.wake()
+        sched.close()
+    appended = [rows for f in backend.forwards for kind, rows in f if kind == "append"]
+    assert appended[0] == 40  # the prompt, whole
+    assert appended[1:] and max(appended[1:]) < 40  # the long append, sliced

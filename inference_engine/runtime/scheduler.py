@@ -9,7 +9,7 @@ Rows per iteration are bounded (`max_rows`, at most the probed tile). Generate j
 first, then appends, each kind in rotating order; while any Generate is streaming, appends
 get only as many rows as keep the iteration within GAP_SLACK times what the streams' rows
 would take alone (`cost_model.py`, learnt from the loop's own iterations), so a long append
-never starves the decoders.
+never starves the decoders; a prompt that fits the rows left goes whole (its TTFT).
 
 Between iterations the loop runs plain calls (`run`: create a session, describe it, ...).
 A call tied to a session (`run_quiescent`) waits until that session's job is at a clean
@@ -313,16 +313,23 @@ class Scheduler:
         return True
 
     def _finishing(self, appends: list[Job], streams: int, budget: int, room: int) -> Job | None:
-        """The shortest append, if its rest exceeds `budget` but fits `room` within FINISH_SLACK of the streams alone.
+        """The append that completes in this iteration, first and whole, if any; it exceeds `budget` but fits `room`.
 
-        A short append (a new session's prompt) then completes in one forward instead of
-        several: its time to first token drops, and no stream's gap grows past FINISH_SLACK.
+        A prompt that has not started (a new session's, or a new turn's) goes whole: sliced into
+        budget-sized pieces it adds the same work to the streams' iterations, only spread over
+        several, while its time to first token grows with every slice (3.3x idle beside 7 streams).
+        The rest of a long append goes whole only within FINISH_SLACK of the streams alone, so a
+        long append stays sliced to its end.
         """
         if self.append_rows:
             return None
-        short = min(appends, key=lambda j: j.remaining)
-        if not budget < short.remaining <= room:
+        fitting = [j for j in appends if budget < j.remaining <= room]
+        if not fitting:
             return None
+        fresh = [j for j in fitting if not j.has_run]
+        if fresh:
+            return min(fresh, key=lambda j: j.remaining)
+        short = min(fitting, key=lambda j: j.remaining)
         base, whole = self.cost.estimate(streams), self.cost.estimate(streams + short.remaining)
         if base is None or whole is None or whole > FINISH_SLACK * base:
             return None
