@@ -86,6 +86,14 @@ class Append(Job):
         self.is_done = True
 
 
+def wait_until(done, timeout_s: float) -> bool:
+    """Poll `done()` until it holds or `timeout_s` passes; its last value."""
+    deadline = time.monotonic() + timeout_s
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return done()
+
+
 def _run(append_rows: int) -> list[list[tuple[str, int]]]:
     backend = FakeBackend()
     sched = Scheduler(lambda: backend, max_rows=64, append_rows=append_rows)
@@ -95,10 +103,7 @@ def _run(append_rows: int) -> list[list[tuple[str, int]]]:
         sched.start(stream)
         time.sleep(0.05)
         sched.start(append)
-        deadline = time.monotonic() + 30
-        while not stream.is_done and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert stream.is_done, "the stream did not finish"
+        assert wait_until(lambda: stream.is_done, 30), "the stream did not finish"
     finally:
         append.cancel()
         sched.wake()
@@ -133,10 +138,7 @@ def test_streams_handing_over_at_different_moments_stay_in_one_forward():
     try:
         sched.start(quick)
         sched.start(slow)
-        deadline = time.monotonic() + 30
-        while not (quick.is_done and slow.is_done) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert quick.is_done and slow.is_done
+        assert wait_until(lambda: quick.is_done and slow.is_done, 30)
     finally:
         sched.close()
     together = sum(1 for f in backend.forwards if len(f) == 2)
@@ -164,10 +166,7 @@ def test_a_fault_of_the_loop_ends_its_jobs_and_the_engine_thread_lives_on():
     try:
         sched.start(stream)
         sched.start(append)
-        deadline = time.monotonic() + 10
-        while not (stream.is_done and append.is_done) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert stream.is_done and append.is_done
+        assert wait_until(lambda: stream.is_done and append.is_done, 10)
         assert len(aborted) == 1 and isinstance(aborted[0], ZeroDivisionError)
 
         async def call() -> int:
@@ -191,13 +190,9 @@ def test_a_new_prompt_beside_streams_goes_whole_and_a_long_append_stays_sliced()
         sched.start(stream)
         time.sleep(0.03)
         sched.start(prompt)
-        deadline = time.monotonic() + 10
-        while not prompt.is_done and time.monotonic() < deadline:
-            time.sleep(0.005)
+        assert wait_until(lambda: prompt.is_done, 10)
         sched.start(long)
-        while not stream.is_done and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert stream.is_done
+        assert wait_until(lambda: stream.is_done, 10)
     finally:
         long.cancel()
         sched.wake()
