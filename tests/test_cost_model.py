@@ -13,6 +13,8 @@ def test_buckets_interpolate_and_extrapolate():
     assert abs(m.estimate(4) - 0.010 - 3 / 6 * 0.006) < 1e-12 and abs(m.estimate(14) - 0.032) < 1e-12
     m.observe(8, 0.026)  # moving averages: rows 0.8 * 7 + 0.2 * 8, seconds 0.8 * 0.016 + 0.2 * 0.026
     assert abs(m.estimate(8) - 0.018 * 8 / 7.2) < 1e-12
+    m.observe(0, 5.0)  # a forward of no rows says nothing (and must not become a point at 0 rows)
+    assert abs(m.estimate(8) - 0.018 * 8 / 7.2) < 1e-12 and m.estimate(1) == 0.010
 
 
 def test_an_estimate_follows_the_rows_the_scheduler_keeps_choosing():

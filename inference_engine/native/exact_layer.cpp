@@ -68,27 +68,27 @@ void rope(float* x, int dims, bool traditional, const float* cos, const float* s
   }
 }
 
-// act = g * (1 / (1 + exact_exp(-g))) * u, element by element (8 at a time with AVX2: the same
-// operations per lane).
+// act = g * (1 / (1 + exact_exp(-g))) * u, element by element; with AVX2 the first n / 8 * 8
+// elements 8 at a time (the same operations per lane), the rest one by one.
 #if defined(__x86_64__)
-AVX2_TARGET void silu_avx2(const float* g, const float* u, int n, float* act) {
+AVX2_TARGET int silu_avx2(const float* g, const float* u, int n, float* act) {
   int l = 0;
   for (; l + 8 <= n; l += 8) {
     v8 gl = load8(g + l);
     v8 a = (gl * (1.0f / (1.0f + exact_math::exp8(-gl)))) * load8(u + l);
     std::memcpy(act + l, &a, sizeof a);
   }
-  for (; l < n; ++l)
-    act[l] = (g[l] * (1.0f / (1.0f + exact_exp(-g[l])))) * u[l];
+  return l;
 }
 #endif
 
 void silu(const float* g, const float* u, int n, float* act) {
+  int l = 0;
 #if defined(__x86_64__)
   if (exact_math::has_avx2())
-    return silu_avx2(g, u, n, act);
+    l = silu_avx2(g, u, n, act);
 #endif
-  for (int l = 0; l < n; ++l)
+  for (; l < n; ++l)
     act[l] = (g[l] * (1.0f / (1.0f + exact_exp(-g[l])))) * u[l];
 }
 

@@ -37,7 +37,9 @@ class CostModel:
         return self.buckets[min(bisect.bisect_left(self.buckets, rows), len(self.buckets) - 1)]
 
     def observe(self, rows: int, seconds: float) -> None:
-        """Record one forward of `rows` rows that took `seconds`."""
+        """Record one forward of `rows` rows that took `seconds` (a forward of no rows says nothing)."""
+        if rows < 1:
+            return
         b = self._bucket(rows)
         old = self.points.get(b)
         a = self.decay
