@@ -269,3 +269,38 @@ def test_avx2_attention_and_silu_are_the_portable_bits(kernel, d) -> None:
         module.set_avx2(previous)
     assert wide[0] == portable[0]
     assert wide[1] == portable[1]
+
+
+def test_attention_on_the_kernel_pool_is_the_per_call_threads_bits(kernel) -> None:
+    """Attention's (row, KV head) items on exact-gemm's pool (the default once bound) against
+    threads started per call, on a batch big enough to be shared out: sessions of 16, 3, 1
+    and 9 rows with up to 305 visible keys, one of them wrapped."""
+    from inference_engine.quant_kernel import _import, extension_path
+
+    module = _import(extension_path())
+    rng = np.random.default_rng(11)
+    g = CacheGeometry(sink=4, window=300, max_block=16, max_rollback=2)
+    offsets, rows = [0, 150, 400, 301], [16, 3, 1, 9]
+    r = sum(rows)
+    q = mx.array((rng.standard_normal((r, N_KV, REP, D)) * 3).astype(np.float32))
+    k, v = (mx.array(rng.standard_normal((N_KV, r, D)).astype(np.float32)) for _ in range(2))
+    stored = [(rng.standard_normal((N_KV, g.slots, D)).astype(np.float32),
+               rng.standard_normal((N_KV, g.slots, D)).astype(np.float32)) for _ in offsets]
+
+    def attend() -> bytes:
+        caches = [SinkWindowKVCache(g, N_KV, D) for _ in offsets]
+        for c, offset, (ks, vs) in zip(caches, offsets, stored):
+            c.keys, c.values, c.offset = mx.array(ks), mx.array(vs), offset
+            mx.eval(c.keys, c.values)
+        return np.array(native_kernels.attend(kernel, q, k, v, caches, rows)).tobytes()
+
+    previous = module.set_attention_pool(True)
+    try:
+        assert previous  # bound with the kernel library, on by default
+        pooled = attend()
+        module.set_attention_pool(False)
+        per_call = attend()
+    finally:
+        module.set_attention_pool(previous)
+    assert pooled == per_call
+    assert np.isfinite(np.frombuffer(pooled, dtype=np.float32)).all()

@@ -31,6 +31,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <utility>
 
 #include "exact_attention_avx2.h"
 #include "exact_dot.h"
@@ -151,7 +152,11 @@ void attend_row(const Row& row, int h, const float* q, int rep, int d, const flo
   }
 }
 
+ParallelFor parallel_for = nullptr;  // set_parallel_for
+
 }  // namespace
+
+ParallelFor set_parallel_for(ParallelFor fn) { return std::exchange(parallel_for, fn); }
 
 void write_and_attend(const Segments& seg, const std::vector<float*>& storage, View q, View k, View v, int rows,
                       int n_kv, int rep, int d, float* out) {
@@ -184,14 +189,20 @@ void write_and_attend(const Segments& seg, const std::vector<float*>& storage, V
     }
   };
   int items = rows * n_kv;
-  int64_t cost = 0;
-  for (const Row& row : table)
-    cost += static_cast<int64_t>(std::min(row.sink, row.position + 1) + row.window + 1) * n_kv * rep * d;
-  int threads = cost < (1 << 21) ? 1 : std::min<int>(items, std::max(1u, std::thread::hardware_concurrency()));
-  if (threads == 1) {
+  int64_t cost = 0;  // multiply-adds of the scores (the weighted sums as many again)
+  for (const Row& row : table) {
+    int64_t keys = std::min(row.sink, row.position + 1) + row.position - std::max(row.sink, row.position - row.window) + 1;
+    cost += keys * n_kv * rep * d;
+  }
+  if (cost < (1 << 16) || items < 2) {  // ~20 us: not worth waking anyone
     work(0, items);
     return;
   }
+  if (parallel_for != nullptr) {  // the exact-gemm pool's threads, awake between the products
+    parallel_for([](void* f, int first, int last) { (*static_cast<decltype(work)*>(f))(first, last); }, &work, items);
+    return;
+  }
+  int threads = std::min<int>(items, std::max(1u, std::thread::hardware_concurrency()));
   std::vector<std::thread> pool;
   for (int t = 1; t < threads; ++t)
     pool.emplace_back(work, items * t / threads, items * (t + 1) / threads);

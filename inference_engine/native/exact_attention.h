@@ -23,6 +23,14 @@ struct View {
   float at4(int i, int j, int l, int m) const { return data[i * s0 + j * s1 + l * s2 + m * s3]; }
 };
 
+// Runs fn(ctx, first, last) over items [0, n) on some threads (exact-gemm's exact_parallel_for).
+using ParallelFor = void (*)(void (*fn)(void*, int, int), void* ctx, int n);
+
+// Where the rows' (row, KV head) items run when there are enough of them: `fn`, or (nullptr,
+// the default) threads started per call; returns the previous one. Which thread computes an
+// item never changes its bits.
+ParallelFor set_parallel_for(ParallelFor fn);
+
 // What the node does when it runs: each segment's K/V rows (k, v: (n_kv, R, D)) written into
 // its storage (storage[2s], storage[2s + 1]: (n_kv, sink + ring, D) each), then every row's
 // attention from q (R, n_kv, rep, D) into out (R, n_kv, rep, D), row-major.

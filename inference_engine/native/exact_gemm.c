@@ -288,16 +288,18 @@ static inline void halves_portable(const uint8_t *p, v8 *a, v8 *b) {
 #define WIDEN_U8 widen_u8_portable
 #define WIDEN_S8 widen_s8_portable
 #define HALVES halves_portable
+#define Q4_1_GROUP q4_1_group
 #include "exact_qtiles.h"
 #undef QV
 #undef QTARGET
 #undef WIDEN_U8
 #undef WIDEN_S8
 #undef HALVES
+#undef Q4_1_GROUP
 
 #if defined(__x86_64__) && !defined(__AVX2__)
 #include <immintrin.h>
-#define QTARGET __attribute__((target("avx2,f16c")))
+#define QTARGET __attribute__((target("avx2,f16c,fma")))
 
 QTARGET static inline void halves_f16c(const uint8_t *p, v8 *a, v8 *b) {
     int32_t pair;
@@ -310,6 +312,11 @@ QTARGET static inline void halves_f16c(const uint8_t *p, v8 *a, v8 *b) {
 #define WIDEN_U8(p) ((v8i)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
 #define WIDEN_S8(p) ((v8i)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
 #define HALVES halves_f16c
+/* q4_1_group's d * q + m as one fused multiply-add: d * q is exact (ggml_blocks.h), so one
+ * rounding of d * q + m is the converter's two, bit for bit: checked against mul + add over
+ * all 2^36 (fp16 d, nibble, fp16 m), where only NaN payloads differed, for a NaN d or m. One
+ * instruction fewer per 8 weights; the dot products stay separately rounded multiplies and adds. */
+#define Q4_1_GROUP(d, m, q) ((v8)_mm256_fmadd_ps((__m256)(d), _mm256_cvtepi32_ps((__m256i)(q)), (__m256)(m)))
 #define QV(name) name##_avx2
 #include "exact_qtiles.h"
 
@@ -317,7 +324,7 @@ static void (*run_q)(const struct job *, int, int) = run_q_portable; /* run_q_av
 
 __attribute__((constructor)) static void choose_run_q(void) {
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c"))
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma"))
         run_q = run_q_avx2;
 }
 #else
@@ -344,7 +351,10 @@ static struct {
     pthread_cond_t wake;
     pthread_once_t once;
     int threads;                /* caller included */
-    int chunk;                  /* columns per chunk of the current call */
+    int chunk;                  /* columns (items) per chunk of the current call */
+    int items;                  /* its columns (items) */
+    void (*fn)(void *, int, int); /* exact_parallel_for's function over items [first, last), or NULL: `job` */
+    void *ctx;
     int solo;                   /* calls the caller computes alone before trying the workers again */
     double waste;               /* the recent pooled calls' mean fraction spent waiting for workers */
     struct job job;             /* the current call */
@@ -380,8 +390,11 @@ static void work(uint32_t gen) {
         if (!atomic_compare_exchange_weak(&pool.ticket, &t, t + (1u << 16)))
             continue; /* t now holds the current ticket */
         struct job j = pool.job; /* a private copy: the tiles read it in their loops */
-        int n0 = next * pool.chunk, n1 = n0 + pool.chunk < j.n ? n0 + pool.chunk : j.n;
-        run_columns(&j, n0, n1);
+        int n0 = next * pool.chunk, n1 = n0 + pool.chunk < pool.items ? n0 + pool.chunk : pool.items;
+        if (pool.fn)
+            pool.fn(pool.ctx, n0, n1);
+        else
+            run_columns(&j, n0, n1);
         atomic_fetch_add(&pool.done, 1);
         t = atomic_load(&pool.ticket);
     }
@@ -448,6 +461,8 @@ static void after_fork_in_child(void) { /* the workers did not survive the fork:
     atomic_store(&pool.sleepers, 0);
 }
 
+static int shared(int n, int chunk, const struct job *j, void (*fn)(void *, int, int), void *ctx);
+
 static void run(const struct job *j) {
     /* Small products (attention's per-head matmuls) are not worth sharing. */
     if ((double)j->m * j->n * j->k < 65536.0 || j->n < 48) {
@@ -455,17 +470,6 @@ static void run(const struct job *j) {
         return;
     }
     pthread_once(&pool.once, start_pool);
-    if (pool.threads == 1 || pthread_mutex_trylock(&pool.call) != 0) {
-        run_columns(j, 0, j->n); /* another thread holds the pool: same bits, computed here */
-        return;
-    }
-    if (pool.solo > 0) { /* the workers lost their cores lately: do not wait on them */
-        --pool.solo;
-        pthread_mutex_unlock(&pool.call);
-        run_columns(j, 0, j->n);
-        return;
-    }
-    long start = now_ns();
     /* At least 4 chunks per thread (balance), each at most ~CHUNK_COST (few rows cost their
      * weight bytes, more rows their multiply-adds): a worker that loses its core mid-chunk
      * keeps the caller waiting for at most that much work (the caller yields meanwhile).
@@ -474,12 +478,33 @@ static void run(const struct job *j) {
     long share = (j->n + 4L * pool.threads - 1) / (4L * pool.threads);
     long unit = j->m == 1 ? 8 : 24;
     cols = cols < share ? cols : share;
-    pool.chunk = (int)((cols + unit - 1) / unit * unit);
-    int count = (j->n + pool.chunk - 1) / pool.chunk;
-    pool.job = *j;
+    if (!shared(j->n, (int)((cols + unit - 1) / unit * unit), j, NULL, NULL))
+        run_columns(j, 0, j->n); /* another thread holds the pool, or the workers are late: same bits */
+}
+
+/* Items [0, n) in chunks of `chunk`, claimed by the caller and the workers: fn(ctx, ...) over
+ * them, or `j`'s columns when fn is NULL. Returns 0, having computed nothing, when the pool
+ * is another thread's or its workers kept losing their cores lately (the caller then does all). */
+static int shared(int n, int chunk, const struct job *j, void (*fn)(void *, int, int), void *ctx) {
+    pthread_once(&pool.once, start_pool);
+    if (pool.threads == 1 || pthread_mutex_trylock(&pool.call) != 0)
+        return 0;
+    if (pool.solo > 0) { /* the workers lost their cores lately: do not wait on them */
+        --pool.solo;
+        pthread_mutex_unlock(&pool.call);
+        return 0;
+    }
+    long start = now_ns();
+    int count = (n + chunk - 1) / chunk;
+    if (j)
+        pool.job = *j;
+    pool.items = n;
+    pool.chunk = chunk;
+    pool.fn = fn;
+    pool.ctx = ctx;
     atomic_store(&pool.done, 0);
     uint32_t gen = GEN(atomic_load(&pool.ticket)) + 1;
-    atomic_store(&pool.ticket, TICKET(gen, 0, count)); /* publishes job and chunk */
+    atomic_store(&pool.ticket, TICKET(gen, 0, count)); /* publishes the call */
     if (atomic_load(&pool.sleepers)) {
         pthread_mutex_lock(&pool.sleep_lock);
         pthread_cond_broadcast(&pool.wake);
@@ -497,6 +522,17 @@ static void run(const struct job *j) {
     if (pool.waste > WASTE_LIMIT)
         pool.solo = SOLO_CALLS; /* the workers keep losing their cores: a busy machine */
     pthread_mutex_unlock(&pool.call);
+    return 1;
+}
+
+/* fn(ctx, first, last) over items [0, n), one item per claim, on this pool (the native
+ * attention's (row, KV head) items between the products: the same threads, already awake).
+ * Every item must be computed the same way whichever thread takes it. */
+void exact_parallel_for(void (*fn)(void *, int, int), void *ctx, int n) {
+    if (n > 1 && shared(n, 1 + (n - 1) / 0x8000, NULL, fn, ctx)) /* chunks: 16 bits of the ticket */
+        return;
+    if (n > 0)
+        fn(ctx, 0, n);
 }
 
 /* ------------------------------------------------------------------------------- the entry */

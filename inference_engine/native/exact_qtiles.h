@@ -2,11 +2,12 @@
  * exact_qtiles.h: the quantized-weight column loop, instantiated once per instruction set.
  *
  * Included by exact_gemm.c with QV(name) (the variant's suffix), QTARGET (its target
- * attribute), WIDEN_U8/WIDEN_S8 (8 bytes -> 8 int32 lanes) and HALVES(p, &a, &b) (the fp16 at
- * p and p + 2 as floats in every lane of a and b) defined. Only these moves differ between
- * variants (GCC's vector extensions scalarize them; AVX2 gets vpmovzxbd/vpmovsxbd and F16C's
- * vcvtph2ps); they are exact either way (every fp16 is a float), and every floating-point
- * operation is the shared code of ggml_blocks.h and exact_dot.h.
+ * attribute), WIDEN_U8/WIDEN_S8 (8 bytes -> 8 int32 lanes), HALVES(p, &a, &b) (the fp16 at
+ * p and p + 2 as floats in every lane of a and b) and Q4_1_GROUP(d, m, q) (ggml_blocks.h's
+ * q4_1_group, or one fused multiply-add giving its very bits) defined. Only these differ between
+ * variants (GCC's vector extensions scalarize the moves; AVX2 gets vpmovzxbd/vpmovsxbd and
+ * F16C's vcvtph2ps); they are exact either way (every fp16 is a float), and every other
+ * floating-point operation is the shared code of ggml_blocks.h and exact_dot.h.
  */
 
 /* Software prefetch of the next tile's weight rows (the `cols` rows after this tile's, which
@@ -26,8 +27,12 @@ QTARGET INLINE void QV(prefetch_next)(const uint8_t *w, int cols, size_t ldq, in
 QTARGET INLINE void QV(block)(int fmt, const uint8_t *blk, v8 w[4]) {
     v8 d, m;
     HALVES(blk, &d, &m); /* Q8_0: m is the first two int8s, unused */
-    if (fmt == GGML_Q4_1) {
-        q4_1_weights(d, m, WIDEN_U8(blk + Q4_1_NIBBLES), WIDEN_U8(blk + Q4_1_NIBBLES + 8), w);
+    if (fmt == GGML_Q4_1) { /* weight i < 16: low nibble of byte i; 16 + i: its high nibble */
+        v8i lo = WIDEN_U8(blk + Q4_1_NIBBLES), hi = WIDEN_U8(blk + Q4_1_NIBBLES + 8);
+        w[0] = Q4_1_GROUP(d, m, lo & 15);
+        w[1] = Q4_1_GROUP(d, m, hi & 15);
+        w[2] = Q4_1_GROUP(d, m, lo >> 4);
+        w[3] = Q4_1_GROUP(d, m, hi >> 4);
     } else {
         const uint8_t *q = blk + Q8_0_INTS;
         v8i ints[4] = {WIDEN_S8(q), WIDEN_S8(q + 8), WIDEN_S8(q + 16), WIDEN_S8(q + 24)};
@@ -40,7 +45,7 @@ QTARGET INLINE void QV(block)(int fmt, const uint8_t *blk, v8 w[4]) {
 QTARGET INLINE v8 QV(group)(int fmt, const uint8_t *blk, v8 d, v8 m, int g) {
     if (fmt == GGML_Q4_1) {
         v8i q = WIDEN_U8(blk + Q4_1_NIBBLES + 8 * (g & 1)); /* g 0, 2: bytes 0..7; g 1, 3: 8..15 */
-        return q4_1_group(d, m, g < 2 ? q & 15 : q >> 4);
+        return Q4_1_GROUP(d, m, g < 2 ? q & 15 : q >> 4);
     }
     return q8_0_group(d, WIDEN_S8(blk + Q8_0_INTS + 8 * g));
 }

@@ -13,6 +13,8 @@
 //         qmatmul(x, blocks, fmt) -> x @ dequant(blocks).T;
 //         attend(...): a layer's attention for many sessions (exact_attention.cpp; needs no kernel);
 //         set_avx2(on) -> previous: the 8-lane variants of attention and SiLU on or off (tests);
+//         set_attention_pool(on) -> previous: attention's items on the kernel's pool, or on
+//           threads started per call (tests: both give the same bits);
 //         block(...): a whole transformer block for many sessions (exact_layer.cpp; needs the kernel)
 //   x: float32 (..., K); blocks: uint8 (N, K / 32 * block bytes), row n = output feature n;
 //   fmt: ggml type id (3 = Q4_1, 8 = Q8_0). Returns float32 (..., N).
@@ -44,6 +46,7 @@ namespace {
 using qgemm_fn = int (*)(int fmt, int m, int n, int k, const float* a, long lda, const void* q, long ldq,
                          float* c, long ldc);
 qgemm_fn kernel = nullptr;  // exact_qgemm of the bound exact-gemm library
+exact_attention::ParallelFor pool = nullptr;  // its exact_parallel_for
 using sgemm_fn = void (*)(int order, int trans_a, int trans_b, int m, int n, int k, float alpha, const float* a,
                           int lda, const float* b, int ldb, float beta, float* c, int ldc);
 sgemm_fn sgemm = nullptr;  // cblas_sgemm of the same library: what MLX's fp32 matmul calls in this process
@@ -178,6 +181,9 @@ void bind_kernel(const std::string& path) {
     throw std::runtime_error("exact_quant: " + path + " has no cblas_sgemm");
   kernel = fn;
   sgemm = gemm;
+  // Attention's items on the same pool (nullptr from a library without it: threads per call).
+  pool = reinterpret_cast<exact_attention::ParallelFor>(dlsym(lib, "exact_parallel_for"));
+  exact_attention::set_parallel_for(pool);
 }
 
 mx::array block(const mx::array& h, const std::vector<mx::array>& weights, const std::vector<mx::array>& caches,
@@ -212,6 +218,12 @@ NB_MODULE(_exact_quant, m) {
       nb::arg("on"),
       "Whether attention and SiLU run their 8-lane AVX2 variants (where the CPU has AVX2); returns the previous "
       "setting. For tests comparing them with the portable code: both give the same bits.");
+  m.def(
+      "set_attention_pool",
+      [](bool on) { return exact_attention::set_parallel_for(on ? pool : nullptr) != nullptr; },
+      nb::arg("on"),
+      "Whether attention's (row, KV head) items run on the bound exact-gemm library's thread pool (the default) "
+      "or on threads started per call; returns the previous setting. For tests: both give the same bits.");
   m.def("qmatmul", &qmatmul, nb::arg("x"), nb::arg("blocks"), nb::arg("fmt"),
         "x (..., K) float32 @ dequant(blocks).T, blocks uint8 (N, K/32*bytes): float32 (..., N)");
   m.def(

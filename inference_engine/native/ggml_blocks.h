@@ -54,17 +54,12 @@ INLINE float half_to_float(const uint8_t *p) {
     return f;
 }
 
-/* The 32 weights of a Q4_1 block as 4 vectors (k = 0..7, 8..15, 16..23, 24..31), given its
- * d and m (half_to_float, in every lane) and its nibble bytes 0..7 and 8..15 widened to int32
- * lanes (the caller's instructions do both). */
+/* 8 weights of a Q4_1 block, given its d and m (half_to_float, in every lane) and their
+ * nibbles widened to int32 lanes (the caller's instructions do both; exact_qtiles.h's
+ * QV(block) has the nibble order). d * q is exact in fp32 (an 11-bit by 4-bit significand
+ * product, far from under- or overflow), so rounding d * q + m once, as a fused multiply-add
+ * does, gives these very bits: the AVX2 variant uses one (exact_gemm.c). */
 INLINE v8 q4_1_group(v8 d, v8 m, v8i nibbles) { return d * __builtin_convertvector(nibbles, v8) + m; }
-
-INLINE void q4_1_weights(v8 d, v8 m, v8i lo, v8i hi, v8 w[4]) {
-    w[0] = q4_1_group(d, m, lo & 15);
-    w[1] = q4_1_group(d, m, hi & 15);
-    w[2] = q4_1_group(d, m, lo >> 4);
-    w[3] = q4_1_group(d, m, hi >> 4);
-}
 
 /* The 32 weights of a Q8_0 block as 4 vectors, given its d (in every lane) and its int8s
  * sign-extended to int32 lanes. */
