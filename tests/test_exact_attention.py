@@ -228,17 +228,10 @@ def cpu_has_avx2() -> bool:
         return False
 
 
-@pytest.mark.parametrize("d", [64, 12, 72])
-def test_avx2_attention_and_silu_are_the_portable_bits(kernel, d) -> None:
-    """The 8-lane AVX2 variants (attention, and the SiLU inside the block) against the portable
-    code on one batch: sessions of 1, 2 and 7 rows (odd key counts, a wrapped ring), head dims
-    with and without a remainder of 8 (the servers' is 64), then a native block forward."""
-    from inference_engine.quant_kernel import _import, extension_path
-
-    module = _import(extension_path())
-    rng = np.random.default_rng(d)
-    g = CacheGeometry(sink=2, window=9, max_block=8, max_rollback=2)
-    offsets, rows = [0, 23, 5], [1, 2, 7]
+def mixed_batch(kernel, seed: int, g: CacheGeometry, offsets: list[int], rows: list[int], d: int):
+    """A batch of sessions at `offsets` (random stored K/V) each adding `rows` rows; returns a
+    function computing its attention afresh (new caches each time), as bytes."""
+    rng = np.random.default_rng(seed)
     r = sum(rows)
     q = mx.array((rng.standard_normal((r, N_KV, REP, d)) * 3).astype(np.float32))
     k, v = (mx.array(rng.standard_normal((N_KV, r, d)).astype(np.float32)) for _ in range(2))
@@ -252,6 +245,18 @@ def test_avx2_attention_and_silu_are_the_portable_bits(kernel, d) -> None:
             mx.eval(c.keys, c.values)
         return np.array(native_kernels.attend(kernel, q, k, v, caches, rows)).tobytes()
 
+    return attend
+
+
+@pytest.mark.parametrize("d", [64, 12, 72])
+def test_avx2_attention_and_silu_are_the_portable_bits(kernel, d) -> None:
+    """The 8-lane AVX2 variants (attention, and the SiLU inside the block) against the portable
+    code on one batch: sessions of 1, 2 and 7 rows (odd key counts, a wrapped ring), head dims
+    with and without a remainder of 8 (the servers' is 64), then a native block forward."""
+    from inference_engine.quant_kernel import _import, extension_path
+
+    module = _import(extension_path())
+    attend = mixed_batch(kernel, d, CacheGeometry(sink=2, window=9, max_block=8, max_rollback=2), [0, 23, 5], [1, 2, 7], d)
     model = random_model(seed=3)
 
     def block_logits() -> bytes:
@@ -278,21 +283,8 @@ def test_attention_on_the_kernel_pool_is_the_per_call_threads_bits(kernel) -> No
     from inference_engine.quant_kernel import _import, extension_path
 
     module = _import(extension_path())
-    rng = np.random.default_rng(11)
     g = CacheGeometry(sink=4, window=300, max_block=16, max_rollback=2)
-    offsets, rows = [0, 150, 400, 301], [16, 3, 1, 9]
-    r = sum(rows)
-    q = mx.array((rng.standard_normal((r, N_KV, REP, D)) * 3).astype(np.float32))
-    k, v = (mx.array(rng.standard_normal((N_KV, r, D)).astype(np.float32)) for _ in range(2))
-    stored = [(rng.standard_normal((N_KV, g.slots, D)).astype(np.float32),
-               rng.standard_normal((N_KV, g.slots, D)).astype(np.float32)) for _ in offsets]
-
-    def attend() -> bytes:
-        caches = [SinkWindowKVCache(g, N_KV, D) for _ in offsets]
-        for c, offset, (ks, vs) in zip(caches, offsets, stored):
-            c.keys, c.values, c.offset = mx.array(ks), mx.array(vs), offset
-            mx.eval(c.keys, c.values)
-        return np.array(native_kernels.attend(kernel, q, k, v, caches, rows)).tobytes()
+    attend = mixed_batch(kernel, 11, g, [0, 150, 400, 301], [16, 3, 1, 9], D)
 
     previous = module.set_attention_pool(True)
     try:
