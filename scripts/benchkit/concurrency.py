@@ -18,17 +18,22 @@ from benchkit.core import COPY_BACK, Plan, Prompts
 
 
 def _stream(server: Any, sid: str, n: int, mode: int = 0, k: int = 0, times: list[float] | None = None,
-            started: threading.Event | None = None) -> list[int]:
-    """Generate n tokens (ignore EOS); appends each token's arrival time to `times`."""
+            started: threading.Event | None = None, stop: threading.Event | None = None) -> list[int]:
+    """Generate n tokens (ignore EOS), or fewer: the call is cancelled at the first token after
+    `stop` is set. Appends each token's arrival time to `times`."""
     pb, tokens = server.pb, []
     req = pb.GenerateRequest(session_id=sid, max_new_tokens=n, ignore_eos=True, mode=mode, num_draft_tokens=k)
-    for msg in server.stub.Generate(req):
+    call = server.stub.Generate(req)
+    for msg in call:
         now = time.perf_counter()
         tokens.extend(msg.tokens)
         if times is not None:
             times.extend([now] * len(msg.tokens))
         if started is not None and len(tokens) >= 2:
             started.set()
+        if stop is not None and stop.is_set():
+            call.cancel()
+            break
     return tokens
 
 
@@ -90,13 +95,15 @@ def ttft_under_load(server: Any, prompts: Prompts, busy: int, new_tokens: int) -
     return {"busy_sessions": busy, "idle_ms": idle * 1e3, "loaded_ms": loaded * 1e3, "loaded_over_idle": loaded / idle}
 
 
-def head_of_line(server: Any, prompts: Prompts, append_tokens: int, new_tokens: int) -> dict[str, Any]:
-    """A streaming session's inter-token gaps while another session appends `append_tokens` tokens."""
+def head_of_line(server: Any, prompts: Prompts, append_tokens: int, max_tokens: int = 4096) -> dict[str, Any]:
+    """A streaming session's inter-token gaps while another session appends `append_tokens`
+    tokens. The stream runs until the append has returned (at most `max_tokens`, the server's
+    default cap): a fixed length ran out before a long append did once decoding got faster."""
     sid = server.session(prompts.chat)
     times: list[float] = []
-    started = threading.Event()
-    streamer = threading.Thread(target=_stream, args=(server, sid, new_tokens), kwargs={"times": times,
-                                                                                          "started": started})
+    started, appended = threading.Event(), threading.Event()
+    streamer = threading.Thread(target=_stream, args=(server, sid, max_tokens),
+                                kwargs={"times": times, "started": started, "stop": appended})
     streamer.start()
     started.wait(timeout=120)
     time.sleep(1.0)  # idle gaps first
@@ -104,6 +111,7 @@ def head_of_line(server: Any, prompts: Prompts, append_tokens: int, new_tokens: 
     t0 = time.perf_counter()
     server.append(other, prompts.text(append_tokens, start=3000))
     t1 = time.perf_counter()
+    appended.set()
     streamer.join()
     server.close_session(sid)
     server.close_session(other)
@@ -151,7 +159,7 @@ def measure_concurrency(server: Any, prompts: Prompts, plan: Plan) -> dict[str, 
                       "many_over_one": many["tok_s"] / one["tok_s"],
                       "first_stream_identical": one["first_stream"] == many["first_stream"]},
         "ttft": ttft_under_load(server, prompts, n - 1, 4 * plan.new_tokens),
-        "head_of_line": head_of_line(server, prompts, plan.hol_append_tokens, 8 * plan.new_tokens),
+        "head_of_line": head_of_line(server, prompts, plan.hol_append_tokens),
         "lookup": lookup_vs_greedy(server, prompts, plan.new_tokens, 4, plan.reps),
     }
     return out
