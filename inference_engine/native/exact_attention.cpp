@@ -175,9 +175,12 @@ void write_and_attend(const Segments& seg, const std::vector<float*>& storage, V
     }
   }
   auto work = [&](int first, int last) {  // (row, head) items [first, last)
-    std::vector<int> visible;
-    std::vector<float> w;
-    std::vector<float> qbuf(static_cast<size_t>(rep) * d);
+    // Scratch kept per thread: the pool hands out one item per claim, so per-call vectors
+    // would be allocated for every (row, KV head) of every layer. Every element read is
+    // written first (visible is cleared, w sized, qbuf filled), so nothing carries over.
+    thread_local std::vector<int> visible;
+    thread_local std::vector<float> w, qbuf;
+    qbuf.resize(static_cast<size_t>(rep) * d);
     for (int item = first; item < last; ++item) {
       int r = item / n_kv, h = item % n_kv;
       const Row& row = table[r];
