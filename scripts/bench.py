@@ -93,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="also measure decode over a 3-worker shard route vs one process, and per-hop latency")
     parser.add_argument("--snapshots-only", action="store_true",
                         help="only the session-snapshot section (results/snapshots/<date>-<host>.json)")
+    parser.add_argument("--pipeline-only", action="store_true",
+                        help="only the 3-worker shard route section (results/pipeline/<date>-<host>.json)")
     parser.add_argument("--concurrency-only", action="store_true",
                         help="only the many-sessions section, q4_1 and fp32 servers (results/concurrency/<date>-<host>.json)")
     args = parser.parse_args(argv)
@@ -121,6 +123,16 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = memory_bandwidth(plan.bandwidth_bytes, reps=2 if args.quick else 5)
     if args.concurrency_only:
         return concurrency_only(plan, prompts, bandwidth, args.out, phase)
+    if args.pipeline_only:
+        phase("shard pipeline only: 3 workers vs single process")
+        report = {"meta": {"date": time.strftime("%Y-%m-%d"), "host": os.uname().nodename.split(".")[0]},
+                  "bandwidth": bandwidth, "pipeline": measure_pipeline(plan, prompts)}
+        out = args.out or ROOT / "results" / "pipeline" / f"{report['meta']['date']}-{report['meta']['host']}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2) + "\n")
+        print_pipeline(report["pipeline"])
+        print(f"\nwrote {out}")
+        return 0
     with ExitStack() as stack:
         phase("servers (q4_1, fp32): start, RSS, AppendTokens latency")
         contenders: dict[str, Contender] = {}
@@ -179,12 +191,21 @@ def main(argv: list[str] | None = None) -> int:
     print("batching: " + ", ".join(f"{k} {v:.2f}x (target {b['targets'][k]})" for k, v in b["ratios"].items()))
     print_snapshots(report["snapshots"])
     if "pipeline" in report:
-        p = report["pipeline"]
-        print(f"pipeline {'/'.join(p['ranges'])}: decode {fmt(p['pipeline']['decode_tok_s'])} tok/s vs single "
-              f"process {fmt(p['single_process']['decode_tok_s'])} ({p['pipeline_over_single']:.2f}x); per hop ms "
-              + ", ".join(f"{h['layers']} {h['mean_ms']:.2f}" for h in p["hops"]))
+        print_pipeline(report["pipeline"])
     print(f"\nwrote {out}")
     return 0
+
+
+def print_pipeline(p: dict[str, Any]) -> None:
+    """The shard route's figures, one line each."""
+    print(f"pipeline {'/'.join(p['ranges'])}: decode {fmt(p['pipeline']['decode_tok_s'])} tok/s vs single "
+          f"process {fmt(p['single_process']['decode_tok_s'])} ({p['pipeline_over_single']:.2f}x); per hop ms "
+          + ", ".join(f"{h['layers']} {h['mean_ms']:.2f}" for h in p["hops"]))
+    for name in ("pipeline", "single_process"):
+        a = p[name]["sessions_at_once"]
+        print(f"{name}: {a['sessions']} sessions at once {a['many_tok_s']:.1f} tok/s, {a['many_over_one']:.2f}x one "
+              f"({a['one_tok_s']:.1f})")
+    print(f"same streams (route, one process, alone): {p['sessions_at_once_identical']}")
 
 
 def concurrency_only(plan, prompts, bandwidth: dict, out: Path | None, phase: Callable[[str], None]) -> int:

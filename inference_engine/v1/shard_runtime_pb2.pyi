@@ -294,7 +294,7 @@ class ShardHealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ShardHealthResponse(_message.Message):
-    __slots__ = ("serving", "detail", "sessions", "kv_bytes", "steps", "rows", "busy_seconds")
+    __slots__ = ("serving", "detail", "sessions", "kv_bytes", "steps", "rows", "busy_seconds", "forwards")
     SERVING_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
@@ -302,6 +302,7 @@ class ShardHealthResponse(_message.Message):
     STEPS_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FORWARDS_FIELD_NUMBER: _ClassVar[int]
     serving: bool
     detail: str
     sessions: int
@@ -309,7 +310,8 @@ class ShardHealthResponse(_message.Message):
     steps: int
     rows: int
     busy_seconds: float
-    def __init__(self, serving: _Optional[bool] = ..., detail: _Optional[str] = ..., sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., steps: _Optional[int] = ..., rows: _Optional[int] = ..., busy_seconds: _Optional[float] = ...) -> None: ...
+    forwards: int
+    def __init__(self, serving: _Optional[bool] = ..., detail: _Optional[str] = ..., sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., steps: _Optional[int] = ..., rows: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., forwards: _Optional[int] = ...) -> None: ...
 
 class ShardCancelRequest(_message.Message):
     __slots__ = ("route_session_id", "route_epoch", "work_id")

@@ -169,6 +169,31 @@ async def runtime_decode(runtime: Any, prompts: Prompts, n: int) -> Trace:
     return trace
 
 
+async def runtime_sessions_at_once(runtime: Any, prompts: Prompts, sessions: int, n: int) -> dict[str, Any]:
+    """`sessions` sessions of a Runtime (chat prompt each, prefilled first) generate n tokens at once."""
+    from inference_engine.runtime.types import AppendParams, CreateSessionParams, GenerateChunk, GenerateParams
+
+    sids = [(await runtime.create_session(CreateSessionParams((), "bench", 0, 0))).session_id for _ in range(sessions)]
+    for sid in sids:
+        await runtime.append_tokens(AppendParams(sid, tuple(prompts.chat)))
+    traces = [Trace(time.perf_counter()) for _ in sids]
+
+    async def one(sid: str, trace: Trace) -> None:
+        async def emit(chunk: GenerateChunk) -> None:
+            if chunk.tokens:
+                trace.times.append(time.perf_counter())
+                trace.tokens.extend(chunk.tokens)
+
+        await runtime.generate(GenerateParams(sid, n, ignore_eos=True), emit)
+        await runtime.close_session(sid)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(one(sid, t) for sid, t in zip(sids, traces)))
+    total = sum(len(t.tokens) for t in traces)
+    return {"sessions": sessions, "tokens": total, "tok_s": total / (max(t.times[-1] for t in traces) - start),
+            "first_stream": traces[0].tokens}
+
+
 def start_in_process(plan: Plan, prompts: Prompts, stack: ExitStack) -> Contender:
     """The server's Runtime and engine (its default weights) in this process, driven directly (no gRPC)."""
     from inference_engine.config import ServerConfig
@@ -217,11 +242,11 @@ def measure_pipeline(plan: Plan, prompts: Prompts) -> dict[str, Any]:
     from inference_engine.runtime.runtime import Runtime
     from inference_engine.server.server import build_engine, connect_shards
 
-    cfg = ServerConfig(port=0, default_window=plan.window, max_sessions=2, draft_model=None)
+    cfg = ServerConfig(port=0, default_window=plan.window, max_sessions=plan.sessions, draft_model=None)
     engines = {"single_process": build_engine(cfg), "pipeline": build_engine(cfg)}  # default weights, as the workers
     block = engines["single_process"].block
     workers = [subprocess.Popen([sys.executable, "-m", "inference_engine", "shard-worker", "--layers", r,
-                                 "--port", "0", "--block", str(block)],
+                                 "--port", "0", "--block", str(block), "--max-sessions", str(2 * plan.sessions)],
                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
                for r in PIPELINE_RANGES]
     loop = asyncio.new_event_loop()
@@ -244,6 +269,8 @@ def measure_pipeline(plan: Plan, prompts: Prompts) -> dict[str, Any]:
         hops = [{"address": a.address, "layers": str(a.layers), "calls": a.calls - b.calls,
                  "mean_ms": 1e3 * (a.seconds - b.seconds) / max(1, a.calls - b.calls)}
                 for a, b in zip(pipeline.hop_stats(), before)]
+        at_once = {name: {n: loop.run_until_complete(runtime_sessions_at_once(runtime, prompts, n, plan.new_tokens))
+                          for n in (1, plan.sessions)} for name, runtime in runtimes.items()}
         loop.run_until_complete(asyncio.sleep(0.2))  # closed sessions' releases reach the workers
         loop.run_until_complete(route.stop())
     finally:
@@ -261,6 +288,14 @@ def measure_pipeline(plan: Plan, prompts: Prompts) -> dict[str, Any]:
     out["pipeline_over_single"] = (out["pipeline"]["decode_tok_s"]["median"]
                                    / out["single_process"]["decode_tok_s"]["median"])
     out["tokens_identical"] = all(a.tokens == b.tokens for a, b in zip(traces["pipeline"], traces["single_process"]))
+    # Many sessions at once: the workers compute the blocks of sessions waiting together in one forward.
+    for name, runs in at_once.items():
+        one, many = runs[1], runs[plan.sessions]
+        out[name]["sessions_at_once"] = {"sessions": plan.sessions, "one_tok_s": one["tok_s"], "many_tok_s": many["tok_s"],
+                                         "many_over_one": many["tok_s"] / one["tok_s"]}
+    out["sessions_at_once_identical"] = (at_once["pipeline"][plan.sessions]["first_stream"]
+                                         == at_once["single_process"][plan.sessions]["first_stream"]
+                                         == at_once["pipeline"][1]["first_stream"])
     return out
 
 

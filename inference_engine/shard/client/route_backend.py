@@ -1,7 +1,8 @@
 """RouteBackend: the target's layers on a route of shard workers, one RemoteExecutor per session.
 
 Blocks of a batch run concurrently on the route's own loop (one pipeline call per session;
-the engine thread waits for all of them together). A route session is replayed from the
+the engine thread waits for all of them together); each worker computes the blocks that
+arrive together in one forward (`worker/step_batcher.py`). A route session is replayed from the
 session's token log when the route fails: when a call fails (a worker died, a stream
 broke), the executor waits for the route to answer again, opens the session at a newer
 route epoch, replays the log up to its position (exact: chunking does not change the

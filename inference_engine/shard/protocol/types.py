@@ -111,3 +111,13 @@ class ShardMetrics:
     steps: int  # prefill/decode calls completed
     rows: int  # rows computed by them
     busy_s: float  # seconds spent computing them
+    forwards: int = 0  # forwards that computed them (one forward may carry several sessions' steps)
+
+
+@dataclass(frozen=True, eq=False)
+class StepItem:
+    """One session's prefill or decode block, as a worker queues it for its engine."""
+
+    session_id: str
+    work: ShardWork
+    is_decode: bool  # a DecodeStep frame: exactly one row

@@ -180,7 +180,7 @@ def health_msg(health: ShardHealth, metrics: ShardMetrics) -> pb.ShardHealthResp
     """Health and counters as protobuf."""
     return pb.ShardHealthResponse(serving=health.is_serving, detail=health.detail, sessions=metrics.sessions,
                                   kv_bytes=metrics.kv_bytes, steps=metrics.steps, rows=metrics.rows,
-                                  busy_seconds=metrics.busy_s)
+                                  busy_seconds=metrics.busy_s, forwards=metrics.forwards)
 
 
 # -- client side ------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 Two implementations: `MlxShardEngine` (real layers on MLX) and `FaultInjectingEngine`
 (a test fixture wrapping another engine). `tests/shard_contract.py` checks both.
 
-Threading: prefill, decode, trim, layer_digests, export_kv, import_kv, open_session and release run on one
+Threading: prefill, decode, step_many, trim, layer_digests, export_kv, import_kv, open_session and release run on one
 engine thread;
 `cancel`, `health`, `metrics` and `capabilities` may be called from any thread while work runs.
 """
@@ -11,10 +11,18 @@ engine thread;
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Sequence
 
 import numpy as np
 
-from inference_engine.shard.protocol.types import ShardCapabilities, ShardHealth, ShardMetrics, ShardOutput, ShardWork
+from inference_engine.shard.protocol.types import (
+    ShardCapabilities,
+    ShardHealth,
+    ShardMetrics,
+    ShardOutput,
+    ShardWork,
+    StepItem,
+)
 from inference_engine.verifier.kv_cache import CacheGeometry
 
 
@@ -71,6 +79,25 @@ class ShardEngine(ABC):
         Raises:
             InvalidRequest: `work` has more than one row; otherwise as `prefill`.
         """
+
+    def step_many(self, items: Sequence[StepItem]) -> list[ShardOutput | BaseException]:
+        """The blocks of several sessions, each as `decode` / `prefill` would compute it.
+
+        An engine may run them in one forward (each row's bits are its session's alone); this
+        default runs them one by one, in order. Items of one session run in their order.
+
+        Returns:
+            Per item, its output or the exception `decode` / `prefill` would have raised for it
+            (one item's failure never stops the others).
+        """
+        results: list[ShardOutput | BaseException] = []
+        for item in items:
+            try:
+                fn = self.decode if item.is_decode else self.prefill
+                results.append(fn(item.session_id, item.work))
+            except Exception as exc:  # noqa: BLE001 - handed to that item's caller
+                results.append(exc)
+        return results
 
     @abstractmethod
     def trim(self, session_id: str, n: int, position: int) -> int:

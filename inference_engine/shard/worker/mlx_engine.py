@@ -4,7 +4,9 @@ The head embeds token ids, every worker runs its blocks over per-session
 `SinkWindowKVCache`s, the tail applies the final norm and LM head. A block runs through the
 model's own `forward` over this worker's span of layers, chunked at the session's
 `max_block` (the probed tile), so a route of these engines reproduces the single-process
-logits bit for bit.
+logits bit for bit. Blocks of several sessions waiting at once (`step_many`) share one
+forward, as the local scheduler's do: each weight is read once for all their rows, and
+each row's bits stay its session's alone (row-invariant products, per-row attention).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -20,7 +23,7 @@ import numpy as np
 
 from inference_engine.blas import active_blas
 from inference_engine.errors import InvalidRequest, InvariantViolation, PoolExhausted, SessionNotFound
-from inference_engine.model.forward import Span, forward
+from inference_engine.model.forward import Segment, Span, forward, forward_rows
 from inference_engine.model.gguf_blocks import has_blocks
 from inference_engine.model.loader import load_weights, model_fingerprint, spec_of
 from inference_engine.shard.protocol.errors import WorkCancelled
@@ -31,6 +34,7 @@ from inference_engine.shard.protocol.types import (
     ShardMetrics,
     ShardOutput,
     ShardWork,
+    StepItem,
 )
 from inference_engine.shard.worker.engine import ShardEngine
 from inference_engine.verifier.kv_cache import CacheGeometry, SinkWindowKVCache
@@ -88,7 +92,7 @@ class MlxShardEngine(ShardEngine):
         self._caps: ShardCapabilities | None = None
         self._sessions: dict[str, _Session] = {}
         self._lock = threading.Lock()  # guards _sessions and the counters
-        self._steps = self._rows = 0
+        self._steps = self._rows = self._forwards = 0
         self._busy_s = 0.0
 
     # -- lifecycle -------------------------------------------------------------------
@@ -275,11 +279,83 @@ class MlxShardEngine(ShardEngine):
             raise
         finally:
             s.cancelled_items.discard(work.work_id)
-        with self._lock:
-            self._steps += 1
-            self._rows += rows
-            self._busy_s += time.perf_counter() - started
+        self._count(1, rows, started, chunks=-(-rows // s.geometry.max_block))
         return ShardOutput(work.work_id, position, s.position, tensor, is_logits=caps.is_tail)
+
+    def step_many(self, items: Sequence[StepItem]) -> list[ShardOutput | BaseException]:
+        """One forward for the items that fit the tile together (one chunk each, one per session); the rest alone, after.
+
+        An item refused by its checks (unknown, broken or cancelled session, wrong position,
+        bad input) gets its exception and stays out; a forward that fails breaks the sessions
+        in it (their caches may hold part of the block), as `_step` does for one.
+        """
+        caps = self._ready()
+        results: list[ShardOutput | BaseException | None] = [None] * len(items)
+        together: list[tuple[int, _Session]] = []
+        rows, taken = 0, set()
+        for i, item in enumerate(items):
+            n = item.work.rows
+            if item.session_id in taken or rows + n > caps.max_block:
+                continue  # runs alone below, after the forward
+            try:
+                s = self._session(item.session_id)
+                if item.is_decode and n != 1:
+                    raise InvalidRequest(f"decode takes exactly one row, got {n}")
+                if n > s.geometry.max_block:
+                    continue  # several chunks: `_step`'s chunk loop
+                self._check_input(s, item.work)
+                if item.work.work_id in s.cancelled_items:
+                    s.cancelled_items.discard(item.work.work_id)
+                    raise WorkCancelled(f"work {item.work.work_id} of session {item.session_id!r} was cancelled")
+            except Exception as exc:  # noqa: BLE001 - that item's answer
+                results[i] = exc
+                continue
+            together.append((i, s))
+            rows += n
+            taken.add(item.session_id)
+        if len(together) > 1:  # (one item alone: `_step`, as ever)
+            for i, out in zip((i for i, _ in together), self._forward_together([(items[i], s) for i, s in together])):
+                results[i] = out
+        alone = [i for i, r in enumerate(results) if r is None]
+        for i, out in zip(alone, super().step_many([items[i] for i in alone])):
+            results[i] = out
+        return results  # type: ignore[return-value] - every slot is filled
+
+    def _forward_together(self, batch: list[tuple[StepItem, _Session]]) -> list[ShardOutput | BaseException]:
+        """The items' rows in one `forward_rows` over this worker's span (each fits one chunk)."""
+        caps, started = self._ready(), time.perf_counter()
+        positions = [s.position for _, s in batch]
+        segments = [Segment(s.cache, item.work.rows, item.work.all_logits) for item, s in batch]
+        if caps.is_head:
+            x = mx.array([t for item, _ in batch for t in item.work.tokens], dtype=mx.int32)  # (R,)
+        else:
+            x = mx.array(np.concatenate([item.work.hidden for item, _ in batch]))[None]  # (1, R, hidden)
+        try:
+            out = forward_rows(self.model, x, segments, self._span)  # (N, V) logits, or (1, R, hidden)
+            mx.eval(out, [c.state for _, s in batch for c in s.cache])
+            tensor = np.array(out if caps.is_tail else out[0])
+        except Exception as exc:  # noqa: BLE001 - every session of the forward is in doubt
+            for item, s in batch:
+                s.broken = f"compute failed at position {s.position}: {type(exc).__name__}"
+            return [exc] * len(batch)
+        finally:
+            for item, s in batch:
+                s.cancelled_items.discard(item.work.work_id)  # a cancel that came too late
+        results: list[ShardOutput | BaseException] = []
+        lo = 0
+        for (item, s), position in zip(batch, positions):
+            n = item.work.rows if item.work.all_logits or not caps.is_tail else 1
+            results.append(ShardOutput(item.work.work_id, position, s.position, tensor[lo : lo + n], caps.is_tail))
+            lo += n
+        self._count(len(batch), sum(item.work.rows for item, _ in batch), started)
+        return results
+
+    def _count(self, steps: int, rows: int, started: float, chunks: int = 1) -> None:
+        with self._lock:
+            self._steps += steps
+            self._rows += rows
+            self._forwards += chunks
+            self._busy_s += time.perf_counter() - started
 
     def _abandon(self, s: _Session, done_rows: int) -> None:
         """Undo the rows of a cancelled block, or mark the session broken if that is inexact."""
@@ -301,4 +377,4 @@ class MlxShardEngine(ShardEngine):
     def metrics(self) -> ShardMetrics:
         with self._lock:
             kv = sum(c.nbytes for s in self._sessions.values() for c in s.cache)
-            return ShardMetrics(len(self._sessions), kv, self._steps, self._rows, self._busy_s)
+            return ShardMetrics(len(self._sessions), kv, self._steps, self._rows, self._busy_s, self._forwards)

@@ -20,6 +20,7 @@ from inference_engine.shard.worker.engine import ShardEngine
 from inference_engine.shard.worker.engine_thread import EngineThread
 from inference_engine.shard.worker.route_table import RouteTable
 from inference_engine.shard.worker.session_stream import SessionStream
+from inference_engine.shard.worker.step_batcher import StepBatcher
 from inference_engine.v1 import shard_runtime_pb2 as pb
 from inference_engine.v1 import shard_runtime_pb2_grpc as pb_grpc
 
@@ -57,6 +58,7 @@ class ShardRuntimeServicer(pb_grpc.ShardRuntimeServicer):
         self.max_credits = max_credits
         self.default_credits = min(default_credits, max_credits)
         self.thread = EngineThread()  # the one thread that runs this engine's work
+        self.batcher = StepBatcher(engine, self.thread)  # sessions' blocks waiting at once: one forward
         self.routes = RouteTable()
 
     @_mapped
@@ -69,7 +71,7 @@ class ShardRuntimeServicer(pb_grpc.ShardRuntimeServicer):
         return health_msg(self.engine.health(), self.engine.metrics())
 
     async def Session(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
-        stream = SessionStream(self.engine, self.thread, self.routes, context, self.max_credits, self.default_credits)
+        stream = SessionStream(self.engine, self.thread, self.batcher, self.routes, context, self.max_credits, self.default_credits)
         await stream.serve()
 
     @_mapped
