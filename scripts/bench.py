@@ -113,9 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.snapshots_only:
         phase("session snapshots only")
         report = snapshots_report(plan, args.quick, measure_snapshots(plan, prompts), t0, load_at_start)
-        out = args.out or ROOT / "results" / "snapshots" / f"{report['meta']['date']}-{report['meta']['host']}.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2) + "\n")
+        out = write_section(report, "snapshots", args.out)
         print_snapshots(report["snapshots"])
         print(f"\nwrote {out}")
         return 0
@@ -125,11 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         return concurrency_only(plan, prompts, bandwidth, args.out, phase)
     if args.pipeline_only:
         phase("shard pipeline only: 3 workers vs single process")
-        report = {"meta": {"date": time.strftime("%Y-%m-%d"), "host": os.uname().nodename.split(".")[0]},
-                  "bandwidth": bandwidth, "pipeline": measure_pipeline(plan, prompts)}
-        out = args.out or ROOT / "results" / "pipeline" / f"{report['meta']['date']}-{report['meta']['host']}.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2) + "\n")
+        report = {"meta": section_meta(), "bandwidth": bandwidth, "pipeline": measure_pipeline(plan, prompts)}
+        out = write_section(report, "pipeline", args.out)
         print_pipeline(report["pipeline"])
         print(f"\nwrote {out}")
         return 0
@@ -196,6 +191,19 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def section_meta() -> dict[str, str]:
+    """Date and host of a one-section run (they name its JSON)."""
+    return {"date": time.strftime("%Y-%m-%d"), "host": os.uname().nodename.split(".")[0]}
+
+
+def write_section(report: dict[str, Any], section: str, out: Path | None) -> Path:
+    """Write a one-section report to `out`, or to results/<section>/<date>-<host>.json; returns the path."""
+    out = out or ROOT / "results" / section / f"{report['meta']['date']}-{report['meta']['host']}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    return out
+
+
 def print_pipeline(p: dict[str, Any]) -> None:
     """The shard route's figures, one line each."""
     print(f"pipeline {'/'.join(p['ranges'])}: decode {fmt(p['pipeline']['decode_tok_s'])} tok/s vs single "
@@ -210,16 +218,13 @@ def print_pipeline(p: dict[str, Any]) -> None:
 
 def concurrency_only(plan, prompts, bandwidth: dict, out: Path | None, phase: Callable[[str], None]) -> int:
     """The many-sessions figures alone (8 at once, TTFT under load, head-of-line, lookup), both weights."""
-    report: dict[str, Any] = {"meta": {"date": time.strftime("%Y-%m-%d"), "host": os.uname().nodename.split(".")[0]},
-                              "bandwidth": bandwidth}
+    report: dict[str, Any] = {"meta": section_meta(), "bandwidth": bandwidth}
     with ExitStack() as stack:
         for key, weights in (("concurrency", "q4_1"), ("concurrency_fp32", "fp32")):
             phase(f"{weights} server: {plan.sessions} sessions at once, TTFT under load, head-of-line, prompt lookup")
             server, _ = start_server(plan, prompts, stack, weights=weights)
             report[key] = measure_concurrency(server, prompts, plan)
-    out = out or ROOT / "results" / "concurrency" / f"{report['meta']['date']}-{report['meta']['host']}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    out = write_section(report, "concurrency", out)
     for key in ("concurrency", "concurrency_fp32"):
         c = report[key]
         print(f"{key}: 8 vs 1 {c['aggregate']['many_over_one']:.2f}x (same stream: {c['aggregate']['first_stream_identical']}),"

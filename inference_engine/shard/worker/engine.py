@@ -15,14 +15,8 @@ from typing import Sequence
 
 import numpy as np
 
-from inference_engine.shard.protocol.types import (
-    ShardCapabilities,
-    ShardHealth,
-    ShardMetrics,
-    ShardOutput,
-    ShardWork,
-    StepItem,
-)
+from inference_engine.shard.protocol.types import ShardCapabilities, ShardHealth, ShardMetrics, ShardOutput, ShardWork
+from inference_engine.shard.protocol.types import StepItem  # a queued block of one session (step_many)
 from inference_engine.verifier.kv_cache import CacheGeometry
 
 
