@@ -42,6 +42,8 @@ def test_serve_readiness_drain_and_sigterm(real_model_path):
         proc.kill()
     err = proc.stderr.read()
     assert f"BLAS in use: {EXPECTED_BLAS}" in err and "exact mode: block size" in err and "stopped" in err
+    frozen = int(err.split("froze ")[1].split()[0])  # start-up objects out of the full collections' way
+    assert frozen > 10_000
 
 
 def test_stream_longer_than_grace_gets_its_final_message(real_model_path):

@@ -22,6 +22,7 @@ import mlx.core as mx
 from inference_engine.blas import active_blas
 from inference_engine.config import ServerConfig
 from inference_engine.errors import RuntimeServiceError
+from inference_engine.gc_freeze import freeze_startup_objects
 from inference_engine.model.gguf_blocks import has_blocks
 from inference_engine.model.loader import LoadedModel, load_model, model_fingerprint
 from inference_engine.model.packaged import DRAFT_MODEL, resolve_model_path
@@ -182,6 +183,7 @@ async def _serve_engine(cfg: ServerConfig, engine: Engine, frontend: Frontend) -
         runtime = Runtime(engine, cfg)
         persistence = await open_persistence(SessionTransfer(runtime), cfg.persist_dir, cfg.persist_every,
                                              cfg.persist_interval_s)  # --persist-sessions: restored before SERVING
+        freeze_startup_objects()  # before SERVING: a full collection would stall every stream
         await frontend.attach(runtime)
         announce(cfg.host, frontend.port)
         await wait_for_stop_signal()

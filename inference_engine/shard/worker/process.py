@@ -12,6 +12,7 @@ import logging
 from typing import Callable
 
 from inference_engine.blas import active_blas
+from inference_engine.gc_freeze import freeze_startup_objects
 from inference_engine.model.packaged import resolve_model_path
 from inference_engine.process_exit import wait_for_stop_signal
 from inference_engine.readiness import announce
@@ -69,6 +70,7 @@ async def serve_worker(cfg: ShardWorkerConfig, wrap: EngineWrapper | None = None
     server, port, servicer = await start_shard_server(engine, cfg.host, cfg.port, max_credits=cfg.max_credits,
                                                       security=cfg.security)
     try:
+        freeze_startup_objects()  # a full collection would stall every session's step
         announce(cfg.host, port)
         await wait_for_stop_signal(cfg.parent_pid)
         log.info("shutting down: failing open sessions, draining RPCs for up to %.1fs", cfg.grace_s)
