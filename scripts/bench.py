@@ -31,13 +31,16 @@ a median over several repetitions with min and max:
   head). Each decode figure is shown as a fraction of the limit of the weights it reads
   (the GGUF's Q4_1/Q8_0 tensors for llama.cpp and q4_1 engines, fp32 for the others).
 - q4_1 targets (`q4_1`): single-session decode over llama.cpp's, the 8-session aggregate
-  over llama.cpp's single stream, prefill over the fp32 server's, idle RSS over the fp32
-  server's, and whether the q4_1 and fp32 servers decoded the same tokens.
+  over llama.cpp's single stream (`aggregate_vs_llama_cpp`: the two measured back to back,
+  `reps` times, median of the ratios), prefill over the fp32 server's, idle RSS over the
+  fp32 server's, and whether the q4_1 and fp32 servers decoded the same tokens.
 
 Usage: scripts/bench.py [--quick] [--out FILE]. The full run writes
 results/bench/<YYYY-MM-DD>-<host>.json; --quick is a seconds-long subset for CI.
 --snapshots-only measures the snapshot section alone (results/snapshots/<date>-<host>.json);
---concurrency-only the many-sessions section alone (results/concurrency/<date>-<host>.json).
+--concurrency-only the many-sessions section alone (results/concurrency/<date>-<host>.json);
+--pipeline adds the 3-worker shard route (one session, and 8 at once), --pipeline-only runs
+it alone (results/pipeline/<date>-<host>.json).
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ from typing import Any, Callable
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo (inference_engine)
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ (benchkit)
 
-from benchkit.concurrency import measure_concurrency  # noqa: E402
+from benchkit.concurrency import aggregate_vs_single, measure_concurrency  # noqa: E402
 from benchkit.core import (  # noqa: E402
     FULL,
     QUICK,
@@ -150,6 +153,10 @@ def main(argv: list[str] | None = None) -> int:
             contenders["llama_cpp"] = llama
         phase(f"decode and prefill, {plan.reps} repetitions interleaved over {', '.join(contenders)}")
         results = run_interleaved(contenders, plan)
+        if isinstance(llama, Contender):
+            phase(f"{plan.sessions} q4_1 sessions at once vs llama.cpp's single stream, alternated")
+            aggregate_vs_llama = aggregate_vs_single(server, prompts, llama, plan.sessions, plan.new_tokens,
+                                                     plan.reps if not args.quick else 1)
     if isinstance(llama, str):
         results["llama_cpp"] = EngineResult(False, llama)
     results["in_process"].extra["sample_text"] = prompts.tokenizer.decode(results["in_process"].decode[0].tokens)[:200]
@@ -159,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     report["concurrency"] = concurrency
     if not args.quick:
         report["concurrency_fp32"] = concurrency_fp32
+    if isinstance(llama, Contender):
+        report["aggregate_vs_llama_cpp"] = aggregate_vs_llama
     report["q4_1"] = q4_1_targets(report)
     report["batching"] = batching_targets(report)
     phase("session snapshots: snapshot, restore, fork vs replay; restart with 8 persisted sessions")

@@ -76,6 +76,9 @@ def test_llama_cpp_measured_or_explained(report):
     if e["available"]:
         assert _positive(e["decode_tok_s"]) and _positive(e["prefill_tok_s"])
         assert e["limit_tok_s"] == report["limit"]["tok_s_gguf"]
+        alt = report["aggregate_vs_llama_cpp"]  # the sessions' aggregate and llama.cpp, back to back
+        assert alt["reps"] == len(alt["ratios"]) == len(alt["single_tok_s"]) >= 1 and min(alt["single_tok_s"]) > 0
+        assert report["q4_1"]["ratios"]["aggregate_8_over_llama_cpp_single"] == alt["median_ratio"] > 0
     else:
         assert e["reason"]
 

@@ -163,3 +163,19 @@ def measure_concurrency(server: Any, prompts: Prompts, plan: Plan) -> dict[str, 
         "lookup": lookup_vs_greedy(server, prompts, plan.new_tokens, 4, plan.reps),
     }
     return out
+
+
+def aggregate_vs_single(server: Any, prompts: Prompts, single: Any, sessions: int, new_tokens: int,
+                        reps: int) -> dict[str, Any]:
+    """`sessions` sessions at once on the server against another engine's single stream, alternated.
+
+    `single` is a bench Contender (llama.cpp). Each repetition measures both back to back, so
+    a drift of this VM's speed (it moves 10-50 % between runs) touches both sides alike.
+    """
+    many, one = [], []
+    for _ in range(reps):
+        one.append(single.decode(new_tokens).decode_tok_s)
+        many.append(aggregate(server, prompts, sessions, new_tokens)["tok_s"])
+    ratios = sorted(m / o for m, o in zip(many, one))
+    return {"sessions": sessions, "reps": reps, "aggregate_tok_s": many, "single_tok_s": one,
+            "ratios": ratios, "median_ratio": ratios[len(ratios) // 2]}
