@@ -187,3 +187,17 @@ async def test_the_sessions_of_the_last_call_are_awaited_for_a_while(chain, monk
         assert (await asyncio.wait_for(batcher.step(item("b", 5)), 0.04)).next_position == positions["b"]
     finally:
         thread.close()
+
+
+def test_a_session_s_later_block_never_overtakes_its_earlier_one(chain):
+    engines, refs = chain
+    head = engines[0]
+    items = [StepItem("c", ShardWork(2, 1, tuple(TOKENS[60:62]), None), False),  # 2 of the tile's 4 rows
+             StepItem("a", ShardWork(4, 3, tuple(TOKENS[64:67]), None), False),  # no room: alone, after
+             StepItem("a", ShardWork(5, 6, (TOKENS[67],), None), True)]  # would fit, but must follow a's block
+    outs = head.step_many(items)
+    assert [(o.position, o.next_position) for o in outs[1:]] == [(3, 6), (6, 7)]
+    tail = engines[1]
+    for out, block in zip(outs[1:], (TOKENS[64:67], TOKENS[67:68])):
+        logits = tail.prefill("a", ShardWork(out.work_id, out.position, (), out.tensor, True)).tensor
+        assert logits.tobytes() == ref_block(refs["a"], block).tobytes()

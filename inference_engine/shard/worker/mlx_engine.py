@@ -296,7 +296,9 @@ class MlxShardEngine(ShardEngine):
         for i, item in enumerate(items):
             n = item.work.rows
             if item.session_id in taken or rows + n > caps.max_block:
+                taken.add(item.session_id)  # its session's later items run after it, alone
                 continue  # runs alone below, after the forward
+            taken.add(item.session_id)
             try:
                 s = self._session(item.session_id)
                 if item.is_decode and n != 1:
@@ -312,7 +314,6 @@ class MlxShardEngine(ShardEngine):
                 continue
             together.append((i, s))
             rows += n
-            taken.add(item.session_id)
         if len(together) > 1:  # (one item alone: `_step`, as ever)
             for i, out in zip((i for i, _ in together), self._forward_together([(items[i], s) for i, s in together])):
                 results[i] = out
