@@ -11,10 +11,22 @@ def test_buckets_interpolate_and_extrapolate():
     assert m.estimate(1) == 0.010 and m.estimate(4) == 0.040  # unseen above: every row as dear as the known ones
     m.observe(7, 0.016)  # bucket 8, a point at 7 rows
     assert abs(m.estimate(4) - 0.010 - 3 / 6 * 0.006) < 1e-12 and abs(m.estimate(14) - 0.032) < 1e-12
-    m.observe(8, 0.026)  # moving averages: rows 0.8 * 7 + 0.2 * 8, seconds 0.8 * 0.016 + 0.2 * 0.026
-    assert abs(m.estimate(8) - 0.018 * 8 / 7.2) < 1e-12
+    m.observe(8, 0.026)  # slower than the point: rows 0.5 * 7 + 0.5 * 8, seconds 0.5 * 0.016 + 0.5 * 0.026
+    assert abs(m.estimate(8) - 0.021 * 8 / 7.5) < 1e-12
+    m.observe(8, 0.011)  # quicker: rows 0.8 * 7.5 + 0.2 * 8, seconds 0.8 * 0.021 + 0.2 * 0.011
+    assert abs(m.estimate(8) - 0.019 * 8 / 7.6) < 1e-12
     m.observe(0, 5.0)  # a forward of no rows says nothing (and must not become a point at 0 rows)
-    assert abs(m.estimate(8) - 0.018 * 8 / 7.2) < 1e-12 and m.estimate(1) == 0.010
+    assert abs(m.estimate(8) - 0.019 * 8 / 7.6) < 1e-12 and m.estimate(1) == 0.010
+
+
+def test_more_rows_are_never_estimated_cheaper_than_fewer():
+    """A stale cheap point above a fresh dear one (a 4-row point left from start-up under a 1-row point
+    that the streams keep refreshing) must not make rows in between look cheaper than one row alone."""
+    m = CostModel(64)
+    m.observe(4, 0.0085)
+    m.observe(1, 0.0112)
+    assert m.estimate(2) == m.estimate(4) == 0.0112
+    assert m.append_budget(1, 63, 2.0, fallback=16) < 63  # not every row: 4 rows cost at least one
 
 
 def test_an_estimate_follows_the_rows_the_scheduler_keeps_choosing():

@@ -200,3 +200,30 @@ def test_a_new_prompt_beside_streams_goes_whole_and_a_long_append_stays_sliced()
     appended = [rows for f in backend.forwards for kind, rows in f if kind == "append"]
     assert appended[0] == 40  # the prompt, whole
     assert appended[1:] and max(appended[1:]) < 40  # the long append, sliced
+
+
+
+def test_calls_run_between_forwards_are_not_counted_as_their_cost():
+    """A plain call (opening a session, describing one) that runs between two forwards must not be
+    counted in the first forward's cost. Before, the ~20 ms of opening the appending session went
+    into the 1-row point just as the append began; no 1-row forward ran while it lasted, so the point
+    stayed 1.8x the real cost and the append's slices took 3x the stream's idle gap."""
+    backend = FakeBackend()  # every forward takes ~2 ms
+    sched = Scheduler(lambda: backend, max_rows=64)
+    seen: list[float] = []
+    observe = sched.cost.observe
+    sched.cost.observe = lambda rows, seconds: (seen.append(seconds), observe(rows, seconds))
+    stream = Stream(steps=150, take_after_s=0.0)
+    stream.scheduler, backend.stream = sched, stream
+
+    async def calls() -> None:
+        for _ in range(5):
+            await sched.run(time.sleep, 0.1)
+
+    try:
+        sched.start(stream)
+        asyncio.run(calls())
+        assert wait_until(lambda: stream.is_done, 10)
+    finally:
+        sched.close()
+    assert seen and max(seen) < 0.05, max(seen)

@@ -3,19 +3,28 @@
 The scheduler uses it to size the append rows it mixes into a batch while sessions are
 streaming: as many as keep the iteration within `slack` times what the decode rows alone
 would take, so a long append never stretches a stream's inter-token gap by more than that.
-Costs are kept per power-of-two bucket of rows, as a point: the exponential moving averages
-of the rows and of the seconds of the iterations that fell in it. Estimates interpolate
-between the points at their own rows, not at the buckets' bounds: an iteration of 9 rows
-counts as 9 rows, so when the scheduler keeps choosing 9 the 9-row estimate follows what
-they cost (with the bound 16 as its abscissa, a stale 8-row point would keep predicting 9
-rows cheap however slow they ran: an append then took 140 ms slices beside a 20 ms stream).
-Beyond the largest point every row costs as much as that point's average row (pessimistic
-for the exact kernel, whose cost grows slower than its rows).
+An observation is the time from one forward's start to the next's, where nothing came in
+between: no idling, and no plain call (opening the appending session took ~20 ms once, counted
+into a 1-row point that no 1-row forward could correct while the append lasted; at 1.8x the
+real cost it let the append's slices take 3x the stream's idle gap).
+
+Costs are kept per power-of-two bucket of rows, as a point: the moving averages of the rows
+and of the seconds of the iterations that fell in it. A forward slower than its bucket's
+average moves it faster (SLOWER_DECAY) than a quicker one: a stream's gap is at stake.
+Estimates interpolate between the points at their own rows, not at the buckets' bounds: an
+iteration of 9 rows counts as 9 rows, so when the scheduler keeps choosing 9 the 9-row
+estimate follows what they cost (with the bound 16 as its abscissa, a stale 8-row point would
+keep predicting 9 rows cheap however slow they ran: an append then took 140 ms slices beside
+a 20 ms stream). An estimate is never below that of fewer rows (a stale cheap point above a
+fresh dear one says nothing). Beyond the largest point every row costs as much as that
+point's average row (pessimistic for the exact kernel, whose cost grows slower than its rows).
 """
 
 from __future__ import annotations
 
 import bisect
+
+SLOWER_DECAY = 0.5  # weight of an observation above its bucket's average (else `decay`)
 
 
 class CostModel:
@@ -42,7 +51,7 @@ class CostModel:
             return
         b = self._bucket(rows)
         old = self.points.get(b)
-        a = self.decay
+        a = self.decay if old is None or seconds <= old[1] else max(self.decay, SLOWER_DECAY)
         self.points[b] = (rows, seconds) if old is None else ((1 - a) * old[0] + a * rows, (1 - a) * old[1] + a * seconds)
 
     def estimate(self, rows: int) -> float | None:
@@ -52,13 +61,14 @@ class CostModel:
         above = [p for p in known if p[0] >= rows]
         if not below:
             return None
+        floor = max(p[1] for p in below)  # more rows never cost less
         lo_rows, lo_s = below[-1]
         if not above:
-            return lo_s * rows / lo_rows
+            return max(floor, lo_s * rows / lo_rows)
         hi_rows, hi_s = above[0]
         if hi_rows == lo_rows:
-            return lo_s
-        return lo_s + (rows - lo_rows) / (hi_rows - lo_rows) * (hi_s - lo_s)
+            return max(floor, lo_s)
+        return max(floor, lo_s + (rows - lo_rows) / (hi_rows - lo_rows) * (hi_s - lo_s))
 
     def append_budget(self, decode_rows: int, room: int, slack: float, fallback: int) -> int:
         """Append rows to add to `decode_rows` so the forward stays within `slack` times theirs alone.

@@ -39,7 +39,7 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 STATS_EVERY_S = 30.0  # how often the loop logs its batch sizes (when it did any work)
 GAP_SLACK = 2.0  # while streams run, an iteration may take this many times what their rows alone would
-FINISH_SLACK = 3.0  # ... or this many, for an append that completes in it (a new session's prompt: TTFT)
+FINISH_SLACK = 2.5  # ... or this many, for an append that completes in it (a new session's prompt: TTFT)
 HANDOFF_WAIT_S = 0.01  # a forward waits at most this long for streams handing over a step to rejoin it
 
 
@@ -246,6 +246,7 @@ class Scheduler:
             if job is not None and not job.is_quiescent and not closing:
                 waiting.append(call)
                 continue
+            self._last = None  # the time until the next forward is not the last forward's cost alone
             try:
                 result, error = call.fn(*call.args), None
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
