@@ -227,3 +227,29 @@ def test_calls_run_between_forwards_are_not_counted_as_their_cost():
     finally:
         sched.close()
     assert seen and max(seen) < 0.05, max(seen)
+
+
+def test_a_job_started_while_the_streams_plan_joins_that_forward():
+    """Planning a stream waits for its last forward (its next token comes from those logits); a job
+    started meanwhile now joins the forward being planned instead of waiting for the next one (a new
+    session's prompt and first Generate step each waited one more forward beside 7 streams)."""
+    backend = FakeBackend()
+    sched = Scheduler(lambda: backend, max_rows=64)
+    prompt, joined_at = Append(tokens=40), []
+
+    class Waiting(Stream):
+        def plan(self, budget):
+            block = super().plan(budget)
+            if block is not None and self.left == 10:  # the job arrives while this plan waits
+                sched.start(prompt)
+                joined_at.append(len(backend.forwards))  # the forward being planned
+            return block
+
+    stream = Waiting(steps=20, take_after_s=0.001)
+    stream.scheduler, backend.stream = sched, stream
+    try:
+        sched.start(stream)
+        assert wait_until(lambda: stream.is_done and prompt.is_done, 10)
+    finally:
+        sched.close()
+    assert joined_at and [kind for kind, _ in backend.forwards[joined_at[0]]] == ["stream", "append"], backend.forwards

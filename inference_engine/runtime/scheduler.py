@@ -9,7 +9,8 @@ Rows per iteration are bounded (`max_rows`, at most the probed tile). Generate j
 first, then appends, each kind in rotating order; while any Generate is streaming, appends
 get only as many rows as keep the iteration within GAP_SLACK times what the streams' rows
 would take alone (`cost_model.py`, learnt from the loop's own iterations), so a long append
-never starves the decoders; a prompt that fits the rows left goes whole (its TTFT).
+never starves the decoders; a prompt that fits the rows left goes whole (its TTFT). Jobs
+started while the streams' plans wait for their last forward join the forward being planned.
 
 Between iterations the loop runs plain calls (`run`: create a session, describe it, ...).
 A call tied to a session (`run_quiescent`) waits until that session's job is at a clean
@@ -284,6 +285,13 @@ class Scheduler:
                 return ended
         self._hold_until = None
         ended |= self._plan(decoders, self.max_rows, planned)
+        # Planning the streams waited for their last forward (their next tokens come from its
+        # logits): jobs started meanwhile join this forward rather than wait for the next one.
+        joined = self._join_new_jobs()
+        ended |= self._plan([j for j in joined if j.is_decoder], self.max_rows - sum(len(b.tokens) for _, b in planned),
+                            planned)
+        decoders += [j for j in joined if j.is_decoder]
+        appends += [j for j in joined if not j.is_decoder]
         rows = sum(len(b.tokens) for _, b in planned)
         # A stream still mid-hand-over sits this iteration out; it counts as a row, so appends
         # never get a forward it would wait behind.
@@ -312,6 +320,16 @@ class Scheduler:
         self._last = (rows, started)
         self._account(rows, len(planned), time.perf_counter() - started)
         return True
+
+    def _join_new_jobs(self) -> list[Job]:
+        """The jobs started since the loop last took them, now part of this iteration (unless closing)."""
+        with self._lock:
+            if self._is_closed or not self._new_jobs:
+                return []
+            joined = list(self._new_jobs)
+            self._new_jobs.clear()
+        self._jobs.extend(joined)
+        return joined
 
     def _finishing(self, appends: list[Job], streams: int, budget: int, room: int) -> Job | None:
         """The append that completes in this iteration, first and whole, if any; it exceeds `budget` but fits `room`.
