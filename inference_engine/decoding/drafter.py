@@ -38,7 +38,8 @@ class PromptLookupDrafter(Drafter):
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 2, search_window: int = 8192):
         # Single-token matches are mostly noise in free text: each wrong draft costs a
-        # verification row, so they are not proposed by default.
+        # verification row, so they are not proposed by default (the server proposes them
+        # where that row is nearly free: runtime/verify_row_cost.py).
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
         self.search_window = search_window

@@ -76,6 +76,7 @@ class Engine:
         self.draft_backend = LocalBackend(draft.model, draft.spec, self.block) if draft is not None else None
         rows = min(max_batch_rows or self.block, self.block)
         self.scheduler = Scheduler(lambda: self.backend, rows, append_rows)
+        self.verify_row_cost: float | None = None  # a draft row's cost per step, if measured (verify_row_cost.py)
 
     def use_backend(self, backend: Backend) -> None:
         """Run the target's layers on `backend` from now on (call before serving; e.g. a shard route)."""

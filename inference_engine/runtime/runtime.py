@@ -16,7 +16,7 @@ from typing import Awaitable, Callable
 
 from inference_engine.config import ServerConfig
 from inference_engine.decoding.call_output import CallOutput
-from inference_engine.decoding.drafter import Drafter, ModelDrafter, PromptLookupDrafter
+from inference_engine.decoding.drafter import Drafter, ModelDrafter
 from inference_engine.decoding.options import StepOptions
 from inference_engine.errors import EngineUnavailable, InvariantViolation, SessionNotFound
 from inference_engine.runtime.engine import Engine
@@ -32,6 +32,7 @@ from inference_engine.runtime.types import (
     SessionCreated,
     SessionInfo,
 )
+from inference_engine.runtime.verify_row_cost import lookup_drafter
 from inference_engine.session.session import Session
 from inference_engine.session.session_store import SessionStore
 from inference_engine.short_id import short_id
@@ -55,7 +56,7 @@ class Runtime:
         self._sweeper: asyncio.Task | None = None
         self._streams: set[asyncio.Future] = set()  # running Generate jobs' `finished`
         self.text = text_codec(engine.loaded.tokenizer)  # the model's tokenizer; None = token ids only
-        self.drafters: dict[DecodeMode, Drafter] = {DecodeMode.SPECULATIVE_LOOKUP: PromptLookupDrafter()}
+        self.drafters: dict[DecodeMode, Drafter] = {DecodeMode.SPECULATIVE_LOOKUP: lookup_drafter(engine.verify_row_cost)}
         if engine.has_draft_model:
             # The draft cache catches up with a long history as an append would: a batch's rows per step at most.
             catch_up = engine.scheduler.append_rows or engine.scheduler.max_rows

@@ -32,6 +32,7 @@ from inference_engine.runtime.engine import Engine
 from inference_engine.runtime.persistence import open_persistence
 from inference_engine.runtime.runtime import Runtime
 from inference_engine.runtime.session_transfer import SessionTransfer
+from inference_engine.runtime.verify_row_cost import CHEAP_ROW, measure_verify_row_cost
 from inference_engine.server.frontend import Frontend, open_frontend, start_frontend
 from inference_engine.served_model import load_served_model, release_start_up_memory
 from inference_engine.server.metrics_http import MetricsEndpoint
@@ -89,6 +90,9 @@ def build_engine(cfg: ServerConfig, loaded: LoadedModel | None = None) -> Engine
         engine = engine_for(load_served_model(cfg.model, "fp32", cfg.cache_dir).loaded)
     elif served is not None and served.weights == "q4_1":
         log.info("weights: q4_1 (the GGUF's blocks; the probe found them bitwise equal to the fp32 kernel)")
+    cost = engine.verify_row_cost = measure_verify_row_cost(engine)
+    log.info("a verification row costs %.2f of a one-row step: prompt lookup %s single-token matches", cost,
+             "proposes" if cost <= CHEAP_ROW else "skips")
     release_start_up_memory()
     return engine
 
