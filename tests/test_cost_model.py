@@ -52,3 +52,22 @@ def test_append_budget_keeps_the_stream_gap_within_the_slack():
     assert m.estimate(1 + budget) <= 0.04 < m.estimate(2 + budget) and budget >= 8
     assert m.append_budget(7, 57, 2.0, fallback=16) > budget  # more streams: a longer forward is allowed
     assert m.append_budget(1, 1, 2.0, fallback=16) == 1  # an append always progresses
+
+
+def test_the_streams_base_ignores_a_moment_of_slowness():
+    """A stream's 1-row periods rose from 8 to 14 ms for the 20 steps before an append (the bench's client
+    building the append beside the server); the moving average followed, the append's slices were then held
+    to twice 14 ms and the stream's gaps reached 3x its usual 8. The base is a low quantile of the bucket's
+    recent periods, so it stays near 8 ms, and the budget with it."""
+    m = CostModel(64)
+    for _ in range(8):
+        m.observe(6, 0.016)  # bucket 8: six rows cost twice one
+    for _ in range(44):
+        m.observe(1, 0.008)
+    for _ in range(20):
+        m.observe(1, 0.014)
+    assert m.estimate(1) > 0.013 and abs(m.base(1) - 0.008) < 1e-12
+    assert m.append_budget(1, 63, 1.5, fallback=16) < m.append_budget(1, 63, 2.0, fallback=16) <= 5
+    few = CostModel(64)
+    few.observe(1, 0.010)
+    assert few.base(1) == few.estimate(1) == 0.010  # too few periods: the estimate

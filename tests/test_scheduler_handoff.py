@@ -253,3 +253,50 @@ def test_a_job_started_while_the_streams_plan_joins_that_forward():
     finally:
         sched.close()
     assert joined_at and [kind for kind, _ in backend.forwards[joined_at[0]]] == ["stream", "append"], backend.forwards
+
+
+def test_each_forward_is_charged_its_own_rows_when_the_batch_size_changes():
+    """A greedy stream's step is handed over while its forward computes; the next plan waits for that
+    forward. The cost model must charge each forward's compute to its own rows: timing from one
+    iteration's start to the next charged the previous forward (a 2-row iteration after an 8-row one
+    looked as dear as 8 rows, and the 8-row one as cheap as 2), so the points drifted."""
+    per_row = 0.003
+
+    class Computing(FakeBackend):  # dispatch returns at once; the rows' compute ends per_row x rows later
+        done_at = 0.0
+
+        def forward(self, blocks, wait=False):
+            self.done_at = time.perf_counter() + per_row * sum(len(b.tokens) for b in blocks)
+            return [None] * len(blocks)
+
+        def wait(self):
+            time.sleep(max(0.0, self.done_at - time.perf_counter()))
+
+    class Reading(Stream):  # planning reads the last forward's logits
+        def plan(self, budget):
+            if not self.handing and self.left:
+                backend.wait()
+            return super().plan(budget)
+
+    class Alternating(Append):  # 1 row, then 7, then 1, ...
+        turn = 0
+
+        def plan(self, budget):
+            self.turn += 1
+            self._planned = 1 if self.turn % 2 else 7
+            return Block("append", (0,) * self._planned, False)
+
+    backend = Computing()
+    sched = Scheduler(lambda: backend, max_rows=64, append_rows=8)
+    stream, append = Reading(steps=80, take_after_s=0.0), Alternating(tokens=10**9)
+    stream.scheduler, backend.stream = sched, stream
+    try:
+        sched.start(stream)
+        sched.start(append)
+        assert wait_until(lambda: stream.is_done, 30)
+    finally:
+        append.cancel()
+        sched.wake()
+        sched.close()
+    two, eight = sched.cost.estimate(2), sched.cost.estimate(8)
+    assert two < 4 * per_row < 6 * per_row < eight, (two, eight)

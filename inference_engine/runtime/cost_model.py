@@ -3,10 +3,17 @@
 The scheduler uses it to size the append rows it mixes into a batch while sessions are
 streaming: as many as keep the iteration within `slack` times what the decode rows alone
 would take, so a long append never stretches a stream's inter-token gap by more than that.
-An observation is the time from one forward's start to the next's, where nothing came in
-between: no idling, and no plain call (opening the appending session took ~20 ms once, counted
-into a 1-row point that no 1-row forward could correct while the append lasted; at 1.8x the
-real cost it let the append's slices take 3x the stream's idle gap).
+An observation is a stream's period as the engine sees it: from the moment the streams of one
+forward are planned (planning waits for the previous forward: their next tokens come from its
+logits) to the same moment of the next forward carrying streams. It holds that forward's
+compute, the hand-over of its steps and the loop's own time, so it is counted against that
+forward's rows. (Timing from one iteration's start to the next counted the previous forward
+instead, a greedy step's compute overlapping its hand-over; with the batch size changing between
+iterations the points drifted, and a long append's slices reached 3x the stream's idle gap.) A
+period is dropped when a plain call ran in it (opening the appending session took ~20 ms once,
+counted into a 1-row point no 1-row forward could correct while the append lasted), when the
+engine waited longer than a hand-over (a slow client), or when a forward without streams came
+between.
 
 Costs are kept per power-of-two bucket of rows, as a point: the moving averages of the rows
 and of the seconds of the iterations that fell in it. A forward slower than its bucket's
@@ -23,8 +30,12 @@ point's average row (pessimistic for the exact kernel, whose cost grows slower t
 from __future__ import annotations
 
 import bisect
+from collections import deque
 
 SLOWER_DECAY = 0.5  # weight of an observation above its bucket's average (else `decay`)
+RECENT = 64  # periods kept per bucket for `base`
+BASE_QUANTILE = 0.25  # `base`: this quantile of them
+BASE_MIN_SEEN = 8  # fewer recent periods: `base` is the estimate
 
 
 class CostModel:
@@ -41,6 +52,7 @@ class CostModel:
             self.buckets.append(max_rows)
         self.decay = decay
         self.points: dict[int, tuple[float, float]] = {}  # bucket -> moving averages (rows, seconds)
+        self.recent: dict[int, deque[float]] = {}  # bucket -> its last RECENT periods (seconds)
 
     def _bucket(self, rows: int) -> int:
         return self.buckets[min(bisect.bisect_left(self.buckets, rows), len(self.buckets) - 1)]
@@ -50,6 +62,7 @@ class CostModel:
         if rows < 1:
             return
         b = self._bucket(rows)
+        self.recent.setdefault(b, deque(maxlen=RECENT)).append(seconds)
         old = self.points.get(b)
         a = self.decay if old is None or seconds <= old[1] else max(self.decay, SLOWER_DECAY)
         self.points[b] = (rows, seconds) if old is None else ((1 - a) * old[0] + a * rows, (1 - a) * old[1] + a * seconds)
@@ -70,6 +83,16 @@ class CostModel:
             return max(floor, lo_s)
         return max(floor, lo_s + (rows - lo_rows) / (hi_rows - lo_rows) * (hi_s - lo_s))
 
+    def base(self, rows: int) -> float | None:
+        """What the streams' own `rows` take, for the slack rules: a low quantile of their bucket's recent
+        periods (a moment's slowness, such as a client busy next to the server just before an append, must
+        not raise the bar the append's slices are held to while no forward of these rows alone runs), or
+        the estimate while few are known."""
+        recent = sorted(self.recent.get(self._bucket(rows), ()))
+        if len(recent) < BASE_MIN_SEEN:
+            return self.estimate(rows)
+        return recent[int(BASE_QUANTILE * (len(recent) - 1))]
+
     def append_budget(self, decode_rows: int, room: int, slack: float, fallback: int) -> int:
         """Append rows to add to `decode_rows` so the forward stays within `slack` times theirs alone.
 
@@ -81,7 +104,7 @@ class CostModel:
         Returns:
             1..room rows (at least one, so an append always progresses).
         """
-        base = self.estimate(decode_rows)
+        base = self.base(decode_rows)
         if base is None or room <= 1:
             return max(1, min(fallback, room))
         limit = slack * base

@@ -103,9 +103,14 @@ class Engine:
         s = self.draft.spec
         return self.geometry(sink, window).slab_bytes(s.num_layers, s.num_kv_heads, s.head_dim)
 
-    def open_session(self, sink: int, window: int, tag: str = "") -> SessionCoordinator:
-        """A new session's coordinator (allocates its KV slab, here or on the route). Engine thread."""
-        return SessionCoordinator(self.backend, self.geometry(sink, window), tag)
+    def prepare_session(self, sink: int, window: int) -> object | None:
+        """What opening a session may do ahead, on any thread but the engine's (see Backend.prepare)."""
+        return self.backend.prepare(self.geometry(sink, window))
+
+    def open_session(self, sink: int, window: int, tag: str = "", prepared: object | None = None) -> SessionCoordinator:
+        """A new session's coordinator (allocates its KV slab, here or on the route, unless `prepared`
+        by `prepare_session`). Engine thread."""
+        return SessionCoordinator(self.backend, self.geometry(sink, window), tag, prepared)
 
     def make_verifier(self, sink: int, window: int) -> SinkWindowVerifier:
         """A standalone verifier over a fresh log (tools and tests). Engine thread."""

@@ -122,7 +122,8 @@ class Runtime:
         window = p.window or self.config.default_window
         self.store.reserve(self.engine.slab_bytes(sink, window))
         session_id = self.store.new_id()
-        coordinator = await self.engine.run(self.engine.open_session, sink, window, short_id(session_id))
+        prepared = await asyncio.to_thread(self.engine.prepare_session, sink, window)  # K/V off the engine thread
+        coordinator = await self.engine.run(self.engine.open_session, sink, window, short_id(session_id), prepared)
         eos = p.eos_token_ids or self.engine.spec.eos_token_ids
         session = Session(session_id, coordinator, sink, window, tuple(eos), p.client_label, owner=p.owner)
         try:

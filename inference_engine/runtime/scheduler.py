@@ -42,6 +42,7 @@ STATS_EVERY_S = 30.0  # how often the loop logs its batch sizes (when it did any
 GAP_SLACK = 2.0  # while streams run, an iteration may take this many times what their rows alone would
 FINISH_SLACK = 2.5  # ... or this many, for an append that completes in it (a new session's prompt: TTFT)
 HANDOFF_WAIT_S = 0.01  # a forward waits at most this long for streams handing over a step to rejoin it
+IDLE_S = 0.02  # a longer wait for work (a slow client, no work) ends the stream period being timed
 
 
 class Job(ABC):
@@ -127,7 +128,7 @@ class Scheduler:
         self.max_rows = max_rows
         self.append_rows = min(append_rows, max_rows)
         self.cost = CostModel(max_rows)
-        self._last: tuple[int, float] | None = None  # rows and start of the forward still running
+        self._last: tuple[int, float] | None = None  # rows of the last forward with streams, and when they were planned
         self._hold_until: float | None = None  # waiting for streams mid-hand-over until then (monotonic)
         self._hold: float | None = None  # the next wait's timeout (streams mid-hand-over)
         self._calls: deque[_Call] = deque()
@@ -202,9 +203,10 @@ class Scheduler:
 
     def _run(self) -> None:
         while True:
-            if not self._wake.is_set():
-                self._last = None  # about to idle: the time until the next forward is not its cost
+            waiting = time.perf_counter()
             self._wake.wait(self._hold)
+            if time.perf_counter() - waiting > IDLE_S:  # longer than a hand-over: not the last forward's cost
+                self._last = None
             self._hold = None
             self._wake.clear()
             with self._lock:
@@ -258,9 +260,6 @@ class Scheduler:
     def _iterate(self) -> bool:
         """One schedule → execute → update pass; whether any job advanced."""
         started = time.perf_counter()
-        if self._last is not None:  # the previous forward's rows took until now (nothing idled in between)
-            self.cost.observe(self._last[0], started - self._last[1])
-            self._last = None
         for job in list(self._jobs):
             if job.is_cancelled and not job.is_done:
                 self._finish(job, None)
@@ -268,6 +267,7 @@ class Scheduler:
         ended = len(running) < len(self._jobs)  # calls waiting for those sessions may run now
         self._jobs = running
         if not self._jobs:
+            self._last = None
             return ended
         planned: list[tuple[Job, Block]] = []
         decoders = [j for j in self._jobs if j.is_decoder]
@@ -292,6 +292,10 @@ class Scheduler:
                             planned)
         decoders += [j for j in joined if j.is_decoder]
         appends += [j for j in joined if not j.is_decoder]
+        planned_at = time.perf_counter()  # the streams read their last forward's logits: it is done
+        streaming = bool(planned)
+        if streaming and self._last is not None:  # a stream's period: that forward, its hand-over, this plan
+            self.cost.observe(self._last[0], planned_at - self._last[1])
         rows = sum(len(b.tokens) for _, b in planned)
         # A stream still mid-hand-over sits this iteration out; it counts as a row, so appends
         # never get a forward it would wait behind.
@@ -317,7 +321,7 @@ class Scheduler:
                 job.update(result)
             except BaseException as exc:  # noqa: BLE001 - one session's failure stays its own
                 self._finish(job, exc)
-        self._last = (rows, started)
+        self._last = (rows, planned_at) if streaming else None
         self._account(rows, len(planned), time.perf_counter() - started)
         return True
 
@@ -349,7 +353,7 @@ class Scheduler:
         if fresh:
             return min(fresh, key=lambda j: j.remaining)
         short = min(fitting, key=lambda j: j.remaining)
-        base, whole = self.cost.estimate(streams), self.cost.estimate(streams + short.remaining)
+        base, whole = self.cost.base(streams), self.cost.estimate(streams + short.remaining)
         if base is None or whole is None or whole > FINISH_SLACK * base:
             return None
         return short

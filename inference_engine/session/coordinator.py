@@ -40,13 +40,14 @@ class Checkpoint:
 class SessionCoordinator:
     """Feeds tokens into one session's verifier, keeping its log and cache in step."""
 
-    def __init__(self, backend: Backend, geometry: CacheGeometry, tag: str = ""):
+    def __init__(self, backend: Backend, geometry: CacheGeometry, tag: str = "", prepared: object | None = None):
         """Open the session's executor (allocates its K/V, here or on a route).
 
         Args:
             backend: where the session's layers run.
             geometry: its cache geometry.
             tag: a short session tag for log lines (never the session id).
+            prepared: `backend.prepare(geometry)`'s result, if it ran ahead (off the engine thread).
         Raises:
             RuntimeServiceError: the backend could not open the session.
         """
@@ -54,7 +55,7 @@ class SessionCoordinator:
         self.geometry = geometry
         self.tag = tag
         self.log = TokenLog()  # the session's one token log
-        self.verifier = SinkWindowVerifier(backend.open(geometry, self.log), self.log)
+        self.verifier = SinkWindowVerifier(backend.open(geometry, self.log, prepared), self.log)
         self._needs_rebuild = False  # the cache was left undefined by a failed operation
 
     @property

@@ -148,6 +148,19 @@ class CanonicalKV:
         return [layer_digest(k, v) for k, v in zip(self.keys, self.values)]
 
 
+def zeroed_storage(geometry: CacheGeometry, num_kv_heads: int, head_dim: int,
+                   dtype: mx.Dtype = mx.float32) -> tuple[mx.array, mx.array]:
+    """One layer's K and V storage, zeroed; safe on any thread (an allocation and a copy from numpy:
+    no graph, nothing for a stream to run), so a new session's ~48 MB need not stall the engine thread.
+
+    Zero-initialised: masked slots must hold finite values (0 * value must be 0). Owned,
+    materialized buffers (from numpy, never a broadcast zero): the native attention kernel
+    writes into them in place (`reserve`).
+    """
+    zeros = np.zeros((num_kv_heads, geometry.slots, head_dim), dtype=np.dtype(str(dtype).removeprefix("mlx.core.")))
+    return mx.array(zeros), mx.array(zeros)  # (n_kv, slots, D) each
+
+
 class SinkWindowKVCache:
     """One layer's K/V storage for one session (implements model.kv_protocol.KVCache).
 
@@ -159,16 +172,17 @@ class SinkWindowKVCache:
     in place, so a state kept across a forward must be a copy (`Executor.snapshot`).
     """
 
-    def __init__(self, geometry: CacheGeometry, num_kv_heads: int, head_dim: int, dtype: mx.Dtype = mx.float32):
+    def __init__(self, geometry: CacheGeometry, num_kv_heads: int, head_dim: int, dtype: mx.Dtype = mx.float32,
+                 storage: tuple[mx.array, mx.array] | None = None):
+        """
+        Args:
+            storage: this layer's zeroed K and V from `zeroed_storage` (allocated here if None).
+        """
         self.geometry = geometry
         self.offset = 0
-        shape = (num_kv_heads, geometry.slots, head_dim)
-        # Zero-initialised: masked slots must hold finite values (0 * value must be 0). Owned,
-        # materialized buffers (from numpy, never a broadcast zero): the native attention
-        # kernel writes into them in place (`reserve`).
-        zeros = np.zeros(shape, dtype=np.dtype(str(dtype).removeprefix("mlx.core.")))
-        self.keys = mx.array(zeros)  # (n_kv, slots, D)
-        self.values = mx.array(zeros)  # (n_kv, slots, D)
+        keys, values = storage or zeroed_storage(geometry, num_kv_heads, head_dim, dtype)
+        self.keys = keys  # (n_kv, slots, D)
+        self.values = values  # (n_kv, slots, D)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """Store K/V for positions offset..offset+L-1; return the storage and each row's mask.

@@ -49,8 +49,8 @@ class RouteBackend(Backend):
         self.spec = spec
         self.max_block = max_block
 
-    def open(self, geometry: CacheGeometry, log: TokenLog) -> Executor:
-        return RemoteExecutor(self, geometry, log)
+    def open(self, geometry: CacheGeometry, log: TokenLog, prepared: object | None = None) -> Executor:
+        return RemoteExecutor(self, geometry, log)  # the K/V lives on the workers: nothing prepared here
 
     def forward(self, blocks: Sequence[Block], wait: bool = True) -> list[mx.array | BaseException]:
         async def all_blocks() -> list[object]:

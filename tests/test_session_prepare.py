@@ -1,0 +1,49 @@
+"""A new session's K/V is allocated off the engine thread (it stalled every running stream ~40 ms)."""
+
+import threading
+
+import mlx.core as mx
+import numpy as np
+
+from inference_engine.runtime.runtime import Runtime
+from inference_engine.runtime.types import CreateSessionParams
+from inference_engine.verifier.token_log import TokenLog
+from tests.conftest import make_config
+
+
+def test_prepared_storage_is_the_sessions_own_zeroed_kv(tiny_engine):
+    g = tiny_engine.geometry(2, 16)
+    prepared = tiny_engine.backend.prepare(g)
+    ex = tiny_engine.backend.open(g, TokenLog(), prepared)
+    assert len(ex.cache) == len(prepared) == tiny_engine.spec.num_layers
+    for cache, (keys, values) in zip(ex.cache, prepared):
+        assert cache.keys is keys and cache.values is values and keys is not values
+        assert keys.shape == (tiny_engine.spec.num_kv_heads, g.slots, tiny_engine.spec.head_dim)
+        assert not np.any(np.array(keys)) and not np.any(np.array(values))
+    unprepared = tiny_engine.backend.open(g, TokenLog())  # allocated in open, as before
+    assert unprepared.cache[0].keys.shape == prepared[0][0].shape
+
+
+async def test_create_session_prepares_off_the_engine_thread_and_computes_the_same(tiny_engine):
+    threads: list[str] = []
+    prepare = tiny_engine.prepare_session
+
+    def recording(sink: int, window: int) -> object:
+        threads.append(threading.current_thread().name)
+        return prepare(sink, window)
+
+    runtime = Runtime(tiny_engine, make_config())
+    tiny_engine.prepare_session = recording
+    try:
+        sid = (await runtime.create_session(CreateSessionParams((), "t", 2, 16))).session_id
+    finally:
+        del tiny_engine.prepare_session
+        await runtime.stop()
+    assert threads and threads[0] != "mlx-engine" and threads[0] != threading.main_thread().name
+    session = runtime.store.get(sid)
+    tokens = [5, 17, 33, 2, 250, 9, 9, 120]
+    session.coordinator.append(tokens)  # a prepared slab computes what an unprepared one does
+    other = tiny_engine.open_session(2, 16)
+    other.append(tokens)
+    assert session.coordinator.state_digest() == other.state_digest()
+    assert mx.array_equal(session.coordinator.verifier.next_token_logits, other.verifier.next_token_logits).item()
