@@ -143,3 +143,28 @@ def test_concurrent_callers_get_the_same_bits(qgemm):
     blocks = random_blocks(rng, Q4_1, 3072, 576)
     xs = [rng.standard_normal((m, 576), dtype=np.float32) for m in (1, 4, 7, 16)]
     assert differing_calls(lambda x: qgemm(Q4_1, x, blocks), xs) == []
+
+
+def test_one_row_avx512_tiles_give_the_avx2_bits(lib, qgemm, tmp_path):
+    """Where the CPU has AVX-512, one-row calls take two columns per instruction; the bits must be the
+    AVX2 path's (EXACT_GEMM_NO_AVX512 keeps a process on it). Elsewhere both runs take the same path."""
+    import os
+    import subprocess
+    import sys
+
+    rng = np.random.default_rng(7)
+    cases = [(fmt, rng.standard_normal((1, k), dtype=np.float32), random_blocks(rng, fmt, n, k))
+             for fmt, k, n in ((Q4_1, 576, 1539), (Q4_1, 1536, 577), (Q8_0, 576, 1027))]  # odd n: a 1..3-column tail
+    for i, (fmt, x, blocks) in enumerate(cases):
+        np.save(tmp_path / f"x{i}.npy", x)
+        np.save(tmp_path / f"b{i}.npy", blocks)
+    script = (
+        "import sys, numpy as np; sys.path.insert(0, '.'); from tests.test_exact_qgemm import QGemm\n"
+        f"q = QGemm({lib!r})\n"
+        f"for i, fmt in enumerate({[fmt for fmt, _, _ in cases]!r}):\n"
+        f"    np.save('{tmp_path}/c%d.npy' % i, q(fmt, np.load('{tmp_path}/x%d.npy' % i), np.load('{tmp_path}/b%d.npy' % i)))\n"
+    )
+    env = dict(os.environ, EXACT_GEMM_NO_AVX512="1")
+    subprocess.run([sys.executable, "-c", script], env=env, check=True, cwd=os.getcwd())
+    for i, (fmt, x, blocks) in enumerate(cases):
+        assert np.array_equal(qgemm(fmt, x, blocks).view(np.uint32), np.load(tmp_path / f"c{i}.npy").view(np.uint32))

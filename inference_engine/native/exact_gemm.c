@@ -320,12 +320,88 @@ QTARGET static inline void halves_f16c(const uint8_t *p, v8 *a, v8 *b) {
 #define QV(name) name##_avx2
 #include "exact_qtiles.h"
 
-static void (*run_q)(const struct job *, int, int) = run_q_portable; /* run_q_avx2 where the CPU has it */
+/* One row (decode) on AVX-512: the AVX2 tile's arithmetic for two columns per instruction. Each
+ * 512-bit register holds two 8-lane accumulators side by side (lanes 0..7 column c, 8..15 column
+ * c + 1), each fed exactly the operations qtile_1 feeds its column's (the same dequantization,
+ * separately rounded multiply and add, blocks and groups in order, the same hsum8), so the bits
+ * are the AVX2 path's; only the instruction count halves, and one-row Q4_1 products are bound by
+ * it (a core whose 512-bit pipes are full width does twice the lanes per instruction). */
+#define Q512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,f16c,fma")))
+typedef float v16 __attribute__((vector_size(64)));
+
+Q512 static inline v16 pair8(v8 lo, v8 hi) {
+    return (v16)_mm512_insertf32x8(_mm512_castps256_ps512((__m256)lo), (__m256)hi, 1);
+}
+
+Q512 static inline __m512i widen_pair(const uint8_t *p, const uint8_t *q, int is_signed) {
+    __m128i v = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)p), _mm_loadl_epi64((const __m128i *)q));
+    return is_signed ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v);
+}
+
+/* Weights 8g .. 8g + 7 of the blocks at b0 and b1 (their d and m side by side): QV(group)'s operations. */
+Q512 static inline v16 group_pair(int fmt, const uint8_t *b0, const uint8_t *b1, v16 d, v16 m, int g) {
+    if (fmt == GGML_Q4_1) {
+        __m512i q = widen_pair(b0 + Q4_1_NIBBLES + 8 * (g & 1), b1 + Q4_1_NIBBLES + 8 * (g & 1), 0);
+        q = g < 2 ? _mm512_and_si512(q, _mm512_set1_epi32(15)) : _mm512_srli_epi32(q, 4);
+        return (v16)_mm512_fmadd_ps((__m512)d, _mm512_cvtepi32_ps(q), (__m512)m); /* Q4_1_GROUP */
+    }
+    __m512i q = widen_pair(b0 + Q8_0_INTS + 8 * g, b1 + Q8_0_INTS + 8 * g, 1);
+    return (v16)_mm512_mul_ps(_mm512_cvtepi32_ps(q), (__m512)d); /* q8_0_group */
+}
+
+/* qtile_1 of 4 columns from n0 (one row, full K), as two column pairs. */
+Q512 static inline void qtile_1x4_avx512(const struct job *j, int n0, int fmt) {
+    const int bytes = ggml_block_bytes(fmt), blocks = j->k / GGML_QK;
+    const uint8_t *w = j->q + (size_t)n0 * j->ldq;
+    v16 acc[2] = {{0}, {0}};
+    for (int b = 0; b < blocks; ++b) {
+        const float *a = j->a + GGML_QK * b;
+        v16 x[4];
+        for (int g = 0; g < 4; ++g)
+            x[g] = pair8(load8(a + 8 * g), load8(a + 8 * g));
+        prefetch_next_avx2(w, 4, j->ldq, b, bytes, 3);
+        for (int p = 0; p < 2; ++p) {
+            const uint8_t *b0 = w + (size_t)(2 * p) * j->ldq + (size_t)b * bytes, *b1 = b0 + j->ldq;
+            v8 d0, m0, d1, m1;
+            halves_f16c(b0, &d0, &m0);
+            halves_f16c(b1, &d1, &m1);
+            v16 d = pair8(d0, d1), m = pair8(m0, m1);
+            for (int g = 0; g < 4; ++g)
+                acc[p] = acc[p] + x[g] * group_pair(fmt, b0, b1, d, m, g); /* dot_step's two roundings */
+        }
+    }
+    for (int p = 0; p < 2; ++p) {
+        v8 lo, hi;
+        memcpy(&lo, &acc[p], sizeof lo);
+        memcpy(&hi, (const float *)&acc[p] + 8, sizeof hi);
+        j->c[n0 + 2 * p] = hsum8(lo);
+        j->c[n0 + 2 * p + 1] = hsum8(hi);
+    }
+}
+
+Q512 static void run_q_avx512(const struct job *j, int n0, int n1) {
+    int n = n0;
+    if (j->m == 1) {
+        if (j->fmt == GGML_Q4_1)
+            for (; n + 4 <= n1; n += 4)
+                qtile_1x4_avx512(j, n, GGML_Q4_1);
+        else
+            for (; n + 4 <= n1; n += 4)
+                qtile_1x4_avx512(j, n, GGML_Q8_0);
+    }
+    if (n < n1)
+        run_q_avx2(j, n, n1); /* more rows, and the last columns of one */
+}
+
+static void (*run_q)(const struct job *, int, int) = run_q_portable; /* run_q_avx2 / _avx512 where the CPU has it */
 
 __attribute__((constructor)) static void choose_run_q(void) {
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma"))
         run_q = run_q_avx2;
+    if (run_q == run_q_avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") && !getenv("EXACT_GEMM_NO_AVX512"))
+        run_q = run_q_avx512;
 }
 #else
 #define run_q run_q_portable
