@@ -320,7 +320,7 @@ QTARGET static inline void halves_f16c(const uint8_t *p, v8 *a, v8 *b) {
 #define QV(name) name##_avx2
 #include "exact_qtiles.h"
 
-/* One row (decode) on AVX-512: the AVX2 tile's arithmetic for two columns per instruction. Each
+/* One to 12 rows (decode, batches, verification) on AVX-512: the AVX2 tiles' arithmetic for two columns per instruction. Each
  * 512-bit register holds two 8-lane accumulators side by side (lanes 0..7 column c, 8..15 column
  * c + 1), each fed exactly the operations qtile_1 feeds its column's (the same dequantization,
  * separately rounded multiply and add, blocks and groups in order, the same hsum8), so the bits
@@ -331,6 +331,11 @@ typedef float v16 __attribute__((vector_size(64)));
 
 Q512 static inline v16 pair8(v8 lo, v8 hi) {
     return (v16)_mm512_insertf32x8(_mm512_castps256_ps512((__m256)lo), (__m256)hi, 1);
+}
+
+/* The 8 floats at p in both halves (one broadcast load, no shuffle). */
+Q512 static inline v16 dup8(const float *p) {
+    return (v16)_mm512_broadcast_f32x8(_mm256_loadu_ps(p));
 }
 
 Q512 static inline __m512i widen_pair(const uint8_t *p, const uint8_t *q, int is_signed) {
@@ -358,7 +363,7 @@ Q512 static inline void qtile_1x4_avx512(const struct job *j, int n0, int fmt) {
         const float *a = j->a + GGML_QK * b;
         v16 x[4];
         for (int g = 0; g < 4; ++g)
-            x[g] = pair8(load8(a + 8 * g), load8(a + 8 * g));
+            x[g] = dup8(a + 8 * g);
         prefetch_next_avx2(w, 4, j->ldq, b, bytes, 3);
         for (int p = 0; p < 2; ++p) {
             const uint8_t *b0 = w + (size_t)(2 * p) * j->ldq + (size_t)b * bytes, *b1 = b0 + j->ldq;
@@ -379,6 +384,64 @@ Q512 static inline void qtile_1x4_avx512(const struct job *j, int n0, int fmt) {
     }
 }
 
+/* `rows` (<= 8) rows of A from i0 x 4 quantized weight rows from n0 (two column pairs), full K:
+ * qtile_m's operations for every (row, column), two columns per instruction (16 accumulators,
+ * 2 weight pairs and a row's x fit the 32 registers). */
+Q512 static inline __attribute__((always_inline)) void qtile_rx4_avx512(const struct job *j, int i0, int rows, int n0,
+                                                                          int fmt) {
+    const int bytes = ggml_block_bytes(fmt), blocks = j->k / GGML_QK;
+    const uint8_t *w = j->q + (size_t)n0 * j->ldq;
+    const float *a = j->a + (size_t)i0 * j->lda;
+    v16 acc[8][2];
+    for (int r = 0; r < 8; ++r)
+        acc[r][0] = acc[r][1] = (v16){0};
+    for (int b = 0; b < blocks; ++b) {
+        const uint8_t *blk[4];
+        v16 d[2], m[2];
+        for (int p = 0; p < 2; ++p) {
+            v8 d0, m0, d1, m1;
+            blk[2 * p] = w + (size_t)(2 * p) * j->ldq + (size_t)b * bytes;
+            blk[2 * p + 1] = blk[2 * p] + j->ldq;
+            halves_f16c(blk[2 * p], &d0, &m0);
+            halves_f16c(blk[2 * p + 1], &d1, &m1);
+            d[p] = pair8(d0, d1);
+            m[p] = pair8(m0, m1);
+        }
+        if (i0 == 0) /* the first row group fetches the next tile's weights (qtile_1's sweep) */
+            prefetch_next_avx2(w, 4, j->ldq, b, bytes, 2);
+        for (int g = 0; g < 4; ++g) {
+            v16 w0 = group_pair(fmt, blk[0], blk[1], d[0], m[0], g), w1 = group_pair(fmt, blk[2], blk[3], d[1], m[1], g);
+            for (int r = 0; r < rows; ++r) {
+                v16 x = dup8(a + r * j->lda + GGML_QK * b + 8 * g);
+                acc[r][0] = acc[r][0] + x * w0; /* dot_step's two roundings */
+                acc[r][1] = acc[r][1] + x * w1;
+            }
+        }
+    }
+    for (int r = 0; r < rows; ++r)
+        for (int p = 0; p < 2; ++p) {
+            v8 lo, hi;
+            memcpy(&lo, &acc[r][p], sizeof lo);
+            memcpy(&hi, (const float *)&acc[r][p] + 8, sizeof hi);
+            j->c[(size_t)(i0 + r) * j->ldc + n0 + 2 * p] = hsum8(lo);
+            j->c[(size_t)(i0 + r) * j->ldc + n0 + 2 * p + 1] = hsum8(hi);
+        }
+}
+
+/* The tile of `rows` rows at (i0, n0): each row count its own inlined copy. */
+Q512 static void qtile_rows_avx512(const struct job *j, int i0, int rows, int n0, int fmt) {
+    switch (rows) {
+    case 1: qtile_rx4_avx512(j, i0, 1, n0, fmt); break;
+    case 2: qtile_rx4_avx512(j, i0, 2, n0, fmt); break;
+    case 3: qtile_rx4_avx512(j, i0, 3, n0, fmt); break;
+    case 4: qtile_rx4_avx512(j, i0, 4, n0, fmt); break;
+    case 5: qtile_rx4_avx512(j, i0, 5, n0, fmt); break;
+    case 6: qtile_rx4_avx512(j, i0, 6, n0, fmt); break;
+    case 7: qtile_rx4_avx512(j, i0, 7, n0, fmt); break;
+    default: qtile_rx4_avx512(j, i0, 8, n0, fmt); break;
+    }
+}
+
 Q512 static void run_q_avx512(const struct job *j, int n0, int n1) {
     int n = n0;
     if (j->m == 1) {
@@ -388,9 +451,13 @@ Q512 static void run_q_avx512(const struct job *j, int n0, int n1) {
         else
             for (; n + 4 <= n1; n += 4)
                 qtile_1x4_avx512(j, n, GGML_Q8_0);
+    } else if (j->m <= 12) { /* few rows (batched decode, verification): row groups of up to 8 */
+        for (; n + 4 <= n1; n += 4)
+            for (int i = 0; i < j->m; i += 8)
+                qtile_rows_avx512(j, i, j->m - i < 8 ? j->m - i : 8, n, j->fmt);
     }
     if (n < n1)
-        run_q_avx2(j, n, n1); /* more rows, and the last columns of one */
+        run_q_avx2(j, n, n1); /* more rows (prefill), and the last columns */
 }
 
 static void (*run_q)(const struct job *, int, int) = run_q_portable; /* run_q_avx2 / _avx512 where the CPU has it */
