@@ -334,7 +334,9 @@ class SessionStream:
         await self._release()
 
     async def _release(self) -> None:
-        self.routes.remove(self)
+        # Leave the table only once the caches are freed: a Release arriving meanwhile finds the
+        # stream and waits for `closed`, instead of answering at once while the slot is still held.
         with contextlib.suppress(RuntimeServiceError):
             await self.thread.run(self.engine.release, self.key)
+        self.routes.remove(self)
         self.closed.set()
