@@ -47,3 +47,33 @@ async def test_create_session_prepares_off_the_engine_thread_and_computes_the_sa
     other.append(tokens)
     assert session.coordinator.state_digest() == other.state_digest()
     assert mx.array_equal(session.coordinator.verifier.next_token_logits, other.verifier.next_token_logits).item()
+
+
+async def test_a_create_cancelled_while_its_kv_is_prepared_leaves_nothing(tiny_engine):
+    import asyncio
+    import time
+
+    started = threading.Event()
+    prepare = tiny_engine.prepare_session
+
+    def slow(sink: int, window: int) -> object:
+        started.set()
+        time.sleep(0.2)
+        return prepare(sink, window)
+
+    runtime = Runtime(tiny_engine, make_config())
+    tiny_engine.prepare_session = slow
+    try:
+        task = asyncio.ensure_future(runtime.create_session(CreateSessionParams((), "t", 2, 16)))
+        while not started.is_set():
+            await asyncio.sleep(0.005)
+        task.cancel()
+        done, _ = await asyncio.wait([task])
+        assert task.cancelled()
+        await asyncio.sleep(0.3)  # the worker thread finishes; its storage is dropped
+        assert runtime.store.slabs_in_use == 0
+        sid = (await runtime.create_session(CreateSessionParams((), "t", 2, 16))).session_id  # the pool is whole
+        assert runtime.store.get(sid) is not None and runtime.store.slabs_in_use == 1
+    finally:
+        del tiny_engine.prepare_session
+        await runtime.stop()

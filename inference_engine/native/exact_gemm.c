@@ -356,39 +356,9 @@ Q512 static inline v16 group_pair(int fmt, const uint8_t *b0, const uint8_t *b1,
     return (v16)_mm512_mul_ps(_mm512_cvtepi32_ps(q), (__m512)d); /* q8_0_group */
 }
 
-/* qtile_1 of 4 columns from n0 (one row, full K), as two column pairs. */
-Q512 static inline void qtile_1x4_avx512(const struct job *j, int n0, int fmt) {
-    const int bytes = ggml_block_bytes(fmt), blocks = j->k / GGML_QK;
-    const uint8_t *w = j->q + (size_t)n0 * j->ldq;
-    v16 acc[2] = {{0}, {0}};
-    for (int b = 0; b < blocks; ++b) {
-        const float *a = j->a + GGML_QK * b;
-        v16 x[4];
-        for (int g = 0; g < 4; ++g)
-            x[g] = dup8(a + 8 * g);
-        prefetch_next_avx2(w, 4, j->ldq, b, bytes, 3);
-        for (int p = 0; p < 2; ++p) {
-            const uint8_t *b0 = w + (size_t)(2 * p) * j->ldq + (size_t)b * bytes, *b1 = b0 + j->ldq;
-            v8 d0, m0, d1, m1;
-            halves_f16c(b0, &d0, &m0);
-            halves_f16c(b1, &d1, &m1);
-            v16 d = pair8(d0, d1), m = pair8(m0, m1);
-            for (int g = 0; g < 4; ++g)
-                acc[p] = acc[p] + x[g] * group_pair(fmt, b0, b1, d, m, g); /* dot_step's two roundings */
-        }
-    }
-    for (int p = 0; p < 2; ++p) {
-        v8 lo, hi;
-        memcpy(&lo, &acc[p], sizeof lo);
-        memcpy(&hi, (const float *)&acc[p] + 8, sizeof hi);
-        j->c[n0 + 2 * p] = hsum8(lo);
-        j->c[n0 + 2 * p + 1] = hsum8(hi);
-    }
-}
-
 /* `rows` (<= 8) rows of A from i0 x 4 quantized weight rows from n0 (two column pairs), full K:
- * qtile_m's operations for every (row, column), two columns per instruction (16 accumulators,
- * 2 weight pairs and a row's x fit the 32 registers). */
+ * qtile_1's (one row) or qtile_m's operations for every (row, column), two columns per
+ * instruction (16 accumulators, 2 weight pairs and a row's x fit the 32 registers). */
 Q512 static inline __attribute__((always_inline)) void qtile_rx4_avx512(const struct job *j, int i0, int rows, int n0,
                                                                           int fmt) {
     const int bytes = ggml_block_bytes(fmt), blocks = j->k / GGML_QK;
@@ -410,7 +380,7 @@ Q512 static inline __attribute__((always_inline)) void qtile_rx4_avx512(const st
             m[p] = pair8(m0, m1);
         }
         if (i0 == 0) /* the first row group fetches the next tile's weights (qtile_1's sweep) */
-            prefetch_next_avx2(w, 4, j->ldq, b, bytes, 2);
+            prefetch_next_avx2(w, 4, j->ldq, b, bytes, rows == 1 ? 3 : 2);
         for (int g = 0; g < 4; ++g) {
             v16 w0 = group_pair(fmt, blk[0], blk[1], d[0], m[0], g), w1 = group_pair(fmt, blk[2], blk[3], d[1], m[1], g);
             for (int r = 0; r < rows; ++r) {
@@ -430,8 +400,9 @@ Q512 static inline __attribute__((always_inline)) void qtile_rx4_avx512(const st
         }
 }
 
-/* The tile of `rows` rows at (i0, n0): each row count its own inlined copy. */
-Q512 static void qtile_rows_avx512(const struct job *j, int i0, int rows, int n0, int fmt) {
+/* The tile of `rows` rows at (i0, n0): each row count and format its own inlined copy. */
+Q512 static inline __attribute__((always_inline)) void qtile_rows_fmt_avx512(const struct job *j, int i0, int rows,
+                                                                               int n0, int fmt) {
     switch (rows) {
     case 1: qtile_rx4_avx512(j, i0, 1, n0, fmt); break;
     case 2: qtile_rx4_avx512(j, i0, 2, n0, fmt); break;
@@ -444,20 +415,19 @@ Q512 static void qtile_rows_avx512(const struct job *j, int i0, int rows, int n0
     }
 }
 
+Q512 static void qtile_rows_avx512(const struct job *j, int i0, int rows, int n0) {
+    if (j->fmt == GGML_Q4_1)
+        qtile_rows_fmt_avx512(j, i0, rows, n0, GGML_Q4_1);
+    else
+        qtile_rows_fmt_avx512(j, i0, rows, n0, GGML_Q8_0);
+}
+
 Q512 static void run_q_avx512(const struct job *j, int n0, int n1) {
     int n = n0;
-    if (j->m == 1) {
-        if (j->fmt == GGML_Q4_1)
-            for (; n + 4 <= n1; n += 4)
-                qtile_1x4_avx512(j, n, GGML_Q4_1);
-        else
-            for (; n + 4 <= n1; n += 4)
-                qtile_1x4_avx512(j, n, GGML_Q8_0);
-    } else if (j->m <= 12) { /* few rows (batched decode, verification): row groups of up to 8 */
+    if (j->m <= 12) /* decode, batched decode, verification: row groups of up to 8 */
         for (; n + 4 <= n1; n += 4)
             for (int i = 0; i < j->m; i += 8)
-                qtile_rows_avx512(j, i, j->m - i < 8 ? j->m - i : 8, n, j->fmt);
-    }
+                qtile_rows_avx512(j, i, j->m - i < 8 ? j->m - i : 8, n);
     if (n < n1)
         run_q_avx2(j, n, n1); /* more rows (prefill), and the last columns */
 }

@@ -198,8 +198,9 @@ class SessionTransfer:
         f = snap.fingerprint
         geometry = self.engine.geometry(f.sink, f.window)
         with self.store.reservation():  # the slab is held from here, and released on any failure
+            prepared = await asyncio.to_thread(self.engine.prepare_session, f.sink, f.window)  # off the engine thread
             coordinator = await self.engine.run(
-                lambda: install(snap, self.engine.backend, geometry, short_id(session_id)))
+                lambda: install(snap, self.engine.backend, geometry, short_id(session_id), prepared))
             session = Session(session_id, coordinator, f.sink, f.window, snap.eos_token_ids, snap.client_label,
                               owner=owner)
             if created_ns is not None:

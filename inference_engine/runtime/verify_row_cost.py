@@ -11,14 +11,12 @@ many tokens a step commits, never which: the target verifies every one.
 
 from __future__ import annotations
 
-import logging
 import statistics
 import time
 
 from inference_engine.decoding.drafter import PromptLookupDrafter
 from inference_engine.runtime.engine import Engine
 
-log = logging.getLogger(__name__)
 CHEAP_ROW = 0.1  # single-token matches are proposed at or below this marginal cost per row
 ROWS = 5  # the measured block: a step and 4 drafts (the default K)
 

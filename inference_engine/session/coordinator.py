@@ -244,14 +244,14 @@ class SessionCoordinator:
 
     @classmethod
     def from_state(cls, backend: Backend, geometry: CacheGeometry, tokens: list[int], logits: np.ndarray | None,
-                   kv: CanonicalKV, tag: str = "") -> "SessionCoordinator":
+                   kv: CanonicalKV, tag: str = "", prepared: object | None = None) -> "SessionCoordinator":
         """A new session standing exactly where `export_state` was taken (its K/V loaded, nothing recomputed).
 
         Raises:
             InvariantViolation: `kv` does not fit (positions, geometry or model); nothing is left allocated.
             RuntimeServiceError: the backend could not open or load it; nothing is left allocated.
         """
-        coordinator = cls(backend, geometry, tag)
+        coordinator = cls(backend, geometry, tag, prepared)
         try:
             if kv.position != len(tokens) or (logits is None) != (not tokens):
                 raise InvariantViolation(f"a state of {len(tokens)} tokens with K/V at position {kv.position} "

@@ -50,18 +50,20 @@ def seal(snapshot: SessionSnapshot) -> SessionSnapshot:
     return dataclasses.replace(snapshot, state_digest=digest)
 
 
-def install(snapshot: SessionSnapshot, backend: Backend, geometry: CacheGeometry, tag: str = "") -> SessionCoordinator:
+def install(snapshot: SessionSnapshot, backend: Backend, geometry: CacheGeometry, tag: str = "",
+            prepared: object | None = None) -> SessionCoordinator:
     """A new session's coordinator holding exactly the snapshot's state (engine thread).
 
     Args:
         snapshot: a decoded snapshot already checked against this server (`check_compatible` and shapes).
         geometry: the session's geometry here (the snapshot's sink and window, this engine's block).
+        prepared: `backend.prepare(geometry)`'s result, if it ran ahead (off the engine thread).
     Raises:
         SnapshotCorrupt: the loaded state's digest is not the one the snapshot records (freed).
         InvariantViolation, RuntimeServiceError: the backend could not hold it (freed).
     """
     coordinator = SessionCoordinator.from_state(backend, geometry, snapshot.tokens.tolist(), snapshot.logits,
-                                                snapshot.kv, tag)
+                                                snapshot.kv, tag, prepared)
     try:
         digest = coordinator.state_digest()
         if digest != snapshot.state_digest:
