@@ -145,9 +145,9 @@ def test_concurrent_callers_get_the_same_bits(qgemm):
     assert differing_calls(lambda x: qgemm(Q4_1, x, blocks), xs) == []
 
 
-def test_one_row_avx512_tiles_give_the_avx2_bits(lib, qgemm, tmp_path):
-    """Where the CPU has AVX-512, calls of up to 12 rows take two columns per instruction; the bits must be
-    the AVX2 path's (EXACT_GEMM_NO_AVX512 keeps a process on it). Elsewhere both runs take the same path."""
+def test_avx512_tiles_give_the_avx2_bits(lib, qgemm, tmp_path):
+    """Where the CPU has AVX-512, calls take two columns per instruction (register tiles up to 12 rows, tiles
+    over dequantized column pairs beyond); the bits must be the AVX2 path's (EXACT_GEMM_NO_AVX512 keeps a process on it). Elsewhere both runs take the same path."""
     import os
     import subprocess
     import sys
@@ -155,7 +155,7 @@ def test_one_row_avx512_tiles_give_the_avx2_bits(lib, qgemm, tmp_path):
     rng = np.random.default_rng(7)
     cases = [(fmt, rng.standard_normal((m, k), dtype=np.float32), random_blocks(rng, fmt, n, k))
              for fmt, k, n in ((Q4_1, 576, 1539), (Q4_1, 1536, 577), (Q8_0, 576, 1027))  # odd n: a 1..3-column tail
-             for m in (1, 3, 8, 12)]
+             for m in (1, 3, 8, 12, 13, 23, 64)]
     for i, (fmt, x, blocks) in enumerate(cases):
         np.save(tmp_path / f"x{i}.npy", x)
         np.save(tmp_path / f"b{i}.npy", blocks)

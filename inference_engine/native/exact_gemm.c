@@ -29,9 +29,10 @@
  * dequantized in registers, 4 weight rows at a time. 2..12 rows: register tiles (4 x 2, or
  * 8 x 1 for 5..8 rows), each weight dequantized once per row group. More rows: 3 weight rows
  * dequantized into an L1 scratch, then the fp32 tiles themselves run over it. Few-row tiles
- * prefetch the next tile's weight rows as they go. On AVX-512 CPUs, calls of 1..12 rows hold two
- * columns' 8-lane accumulators in one 512-bit register (run_q_avx512): the same operations per
- * element, half the instructions.
+ * prefetch the next tile's weight rows as they go. On AVX-512 CPUs every call holds two columns'
+ * 8-lane accumulators in one 512-bit register (run_q_avx512): 1..12 rows in register tiles, more
+ * rows in 8 x 4 tiles over 4 weight rows dequantized into L1 as column pairs; the same operations
+ * per element, half the instructions.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -422,14 +423,92 @@ Q512 static void qtile_rows_avx512(const struct job *j, int i0, int rows, int n0
         qtile_rows_fmt_avx512(j, i0, rows, n0, GGML_Q8_0);
 }
 
+/* Weight rows n0 .. n0 + 3 dequantized (QV(block)'s operations) into `out` as two column pairs:
+ * pair p's 8-weight group s (k = 8s .. 8s + 7) at out + (p * k / 8 + s) * 16, column 2p in lanes
+ * 0..7 and column 2p + 1 in lanes 8..15, so one 512-bit load feeds a tile two columns. */
+Q512 static inline __attribute__((always_inline)) void dequantize_pairs(const struct job *j, int n0, float *out,
+                                                                          int fmt) {
+    const int bytes = ggml_block_bytes(fmt), blocks = j->k / GGML_QK;
+    for (int p = 0; p < 2; ++p)
+        for (int b = 0; b < blocks; ++b) {
+            const uint8_t *blk = j->q + (size_t)(n0 + 2 * p) * j->ldq + (size_t)b * bytes;
+            v8 w0[4], w1[4];
+            block_avx2(fmt, blk, w0);
+            block_avx2(fmt, blk + j->ldq, w1);
+            float *o = out + ((size_t)p * blocks * 4 + (size_t)b * 4) * 16;
+            for (int g = 0; g < 4; ++g) {
+                memcpy(o + 16 * g, &w0[g], sizeof w0[g]);
+                memcpy(o + 16 * g + 8, &w1[g], sizeof w1[g]);
+            }
+        }
+}
+
+/* `rows` (<= 8) rows of A from i0 x the 4 dequantized columns at `pairs` (dequantize_pairs), full
+ * K: tile_nt's operations on those weights (lane j of a column: k = j, j + 8, ... increasing, a
+ * separately rounded multiply and add, then hsum8), two columns per instruction. */
+Q512 static inline __attribute__((always_inline)) void ptile_avx512(const struct job *j, const float *pairs, int i0,
+                                                                      int rows, int n0) {
+    const int groups = j->k / 8;
+    const float *a = j->a + (size_t)i0 * j->lda;
+    v16 acc[8][2];
+    for (int r = 0; r < 8; ++r)
+        acc[r][0] = acc[r][1] = (v16){0};
+    for (int s = 0; s < groups; ++s) {
+        v16 w0, w1;
+        memcpy(&w0, pairs + (size_t)s * 16, sizeof w0);
+        memcpy(&w1, pairs + (size_t)(groups + s) * 16, sizeof w1);
+        for (int r = 0; r < rows; ++r) {
+            v16 x = dup8(a + r * j->lda + 8 * s);
+            acc[r][0] = acc[r][0] + x * w0; /* dot_step's two roundings */
+            acc[r][1] = acc[r][1] + x * w1;
+        }
+    }
+    for (int r = 0; r < rows; ++r)
+        for (int p = 0; p < 2; ++p) {
+            v8 lo, hi;
+            memcpy(&lo, &acc[r][p], sizeof lo);
+            memcpy(&hi, (const float *)&acc[r][p] + 8, sizeof hi);
+            j->c[(size_t)(i0 + r) * j->ldc + n0 + 2 * p] = hsum8(lo);
+            j->c[(size_t)(i0 + r) * j->ldc + n0 + 2 * p + 1] = hsum8(hi);
+        }
+}
+
+Q512 static void ptile_rows_avx512(const struct job *j, const float *pairs, int i0, int rows, int n0) {
+    switch (rows) { /* each row count its own inlined copy */
+    case 1: ptile_avx512(j, pairs, i0, 1, n0); break;
+    case 2: ptile_avx512(j, pairs, i0, 2, n0); break;
+    case 3: ptile_avx512(j, pairs, i0, 3, n0); break;
+    case 4: ptile_avx512(j, pairs, i0, 4, n0); break;
+    case 5: ptile_avx512(j, pairs, i0, 5, n0); break;
+    case 6: ptile_avx512(j, pairs, i0, 6, n0); break;
+    case 7: ptile_avx512(j, pairs, i0, 7, n0); break;
+    default: ptile_avx512(j, pairs, i0, 8, n0); break;
+    }
+}
+
+Q512 static void dequantize_pairs_avx512(const struct job *j, int n0, float *out) {
+    if (j->fmt == GGML_Q4_1)
+        dequantize_pairs(j, n0, out, GGML_Q4_1);
+    else
+        dequantize_pairs(j, n0, out, GGML_Q8_0);
+}
+
 Q512 static void run_q_avx512(const struct job *j, int n0, int n1) {
     int n = n0;
     if (j->m <= 12) /* decode, batched decode, verification: row groups of up to 8 */
         for (; n + 4 <= n1; n += 4)
             for (int i = 0; i < j->m; i += 8)
                 qtile_rows_avx512(j, i, j->m - i < 8 ? j->m - i : 8, n);
+    else { /* more rows (prefill): 4 weight rows dequantized once into L1, then every 8-row group */
+        float *pairs = dequant_scratch(4 * (size_t)j->k);
+        for (; n + 4 <= n1; n += 4) {
+            dequantize_pairs_avx512(j, n, pairs);
+            for (int i = 0; i < j->m; i += 8)
+                ptile_rows_avx512(j, pairs, i, j->m - i < 8 ? j->m - i : 8, n);
+        }
+    }
     if (n < n1)
-        run_q_avx2(j, n, n1); /* more rows (prefill), and the last columns */
+        run_q_avx2(j, n, n1); /* the last columns */
 }
 
 static void (*run_q)(const struct job *, int, int) = run_q_portable; /* run_q_avx2 / _avx512 where the CPU has it */
