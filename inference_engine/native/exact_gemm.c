@@ -357,6 +357,43 @@ Q512 static inline v16 group_pair(int fmt, const uint8_t *b0, const uint8_t *b1,
     return (v16)_mm512_mul_ps(_mm512_cvtepi32_ps(q), (__m512)d); /* q8_0_group */
 }
 
+/* CALL(R) for R = rows (1..8): each row count its own inlined copy of the tile. */
+#define BY_ROWS(rows, CALL)                                                                                   \
+    switch (rows) {                                                                                           \
+    case 1: CALL(1); break;                                                                                   \
+    case 2: CALL(2); break;                                                                                   \
+    case 3: CALL(3); break;                                                                                   \
+    case 4: CALL(4); break;                                                                                   \
+    case 5: CALL(5); break;                                                                                   \
+    case 6: CALL(6); break;                                                                                   \
+    case 7: CALL(7); break;                                                                                   \
+    default: CALL(8); break;                                                                                  \
+    }
+
+/* One step of 8 k for `rows` (<= 8) rows: row r's 8 floats at x + r * lda, in both halves, times the
+ * two column pairs w0, w1; dot_step's two roundings for each of the 4 columns. */
+Q512 static inline __attribute__((always_inline)) void pairs_step(v16 acc[8][2], int rows, const float *x, size_t lda,
+                                                                    v16 w0, v16 w1) {
+    for (int r = 0; r < rows; ++r) {
+        v16 xr = dup8(x + r * lda);
+        acc[r][0] = acc[r][0] + xr * w0;
+        acc[r][1] = acc[r][1] + xr * w1;
+    }
+}
+
+/* Each register's two 8-lane accumulators (columns n0 + 2p, n0 + 2p + 1), hsum8 of each, into C. */
+Q512 static inline __attribute__((always_inline)) void store_pairs(const struct job *j, v16 acc[8][2], int i0, int rows,
+                                                                     int n0) {
+    for (int r = 0; r < rows; ++r)
+        for (int p = 0; p < 2; ++p) {
+            v8 lo, hi;
+            memcpy(&lo, &acc[r][p], sizeof lo);
+            memcpy(&hi, (const float *)&acc[r][p] + 8, sizeof hi);
+            j->c[(size_t)(i0 + r) * j->ldc + n0 + 2 * p] = hsum8(lo);
+            j->c[(size_t)(i0 + r) * j->ldc + n0 + 2 * p + 1] = hsum8(hi);
+        }
+}
+
 /* `rows` (<= 8) rows of A from i0 x 4 quantized weight rows from n0 (two column pairs), full K:
  * qtile_1's (one row) or qtile_m's operations for every (row, column), two columns per
  * instruction (16 accumulators, 2 weight pairs and a row's x fit the 32 registers). */
@@ -384,36 +421,18 @@ Q512 static inline __attribute__((always_inline)) void qtile_rx4_avx512(const st
             prefetch_next_avx2(w, 4, j->ldq, b, bytes, rows == 1 ? 3 : 2);
         for (int g = 0; g < 4; ++g) {
             v16 w0 = group_pair(fmt, blk[0], blk[1], d[0], m[0], g), w1 = group_pair(fmt, blk[2], blk[3], d[1], m[1], g);
-            for (int r = 0; r < rows; ++r) {
-                v16 x = dup8(a + r * j->lda + GGML_QK * b + 8 * g);
-                acc[r][0] = acc[r][0] + x * w0; /* dot_step's two roundings */
-                acc[r][1] = acc[r][1] + x * w1;
-            }
+            pairs_step(acc, rows, a + GGML_QK * b + 8 * g, j->lda, w0, w1);
         }
     }
-    for (int r = 0; r < rows; ++r)
-        for (int p = 0; p < 2; ++p) {
-            v8 lo, hi;
-            memcpy(&lo, &acc[r][p], sizeof lo);
-            memcpy(&hi, (const float *)&acc[r][p] + 8, sizeof hi);
-            j->c[(size_t)(i0 + r) * j->ldc + n0 + 2 * p] = hsum8(lo);
-            j->c[(size_t)(i0 + r) * j->ldc + n0 + 2 * p + 1] = hsum8(hi);
-        }
+    store_pairs(j, acc, i0, rows, n0);
 }
 
 /* The tile of `rows` rows at (i0, n0): each row count and format its own inlined copy. */
 Q512 static inline __attribute__((always_inline)) void qtile_rows_fmt_avx512(const struct job *j, int i0, int rows,
                                                                                int n0, int fmt) {
-    switch (rows) {
-    case 1: qtile_rx4_avx512(j, i0, 1, n0, fmt); break;
-    case 2: qtile_rx4_avx512(j, i0, 2, n0, fmt); break;
-    case 3: qtile_rx4_avx512(j, i0, 3, n0, fmt); break;
-    case 4: qtile_rx4_avx512(j, i0, 4, n0, fmt); break;
-    case 5: qtile_rx4_avx512(j, i0, 5, n0, fmt); break;
-    case 6: qtile_rx4_avx512(j, i0, 6, n0, fmt); break;
-    case 7: qtile_rx4_avx512(j, i0, 7, n0, fmt); break;
-    default: qtile_rx4_avx512(j, i0, 8, n0, fmt); break;
-    }
+#define QTILE(R) qtile_rx4_avx512(j, i0, R, n0, fmt)
+    BY_ROWS(rows, QTILE)
+#undef QTILE
 }
 
 Q512 static void qtile_rows_avx512(const struct job *j, int i0, int rows, int n0) {
@@ -457,33 +476,15 @@ Q512 static inline __attribute__((always_inline)) void ptile_avx512(const struct
         v16 w0, w1;
         memcpy(&w0, pairs + (size_t)s * 16, sizeof w0);
         memcpy(&w1, pairs + (size_t)(groups + s) * 16, sizeof w1);
-        for (int r = 0; r < rows; ++r) {
-            v16 x = dup8(a + r * j->lda + 8 * s);
-            acc[r][0] = acc[r][0] + x * w0; /* dot_step's two roundings */
-            acc[r][1] = acc[r][1] + x * w1;
-        }
+        pairs_step(acc, rows, a + 8 * s, j->lda, w0, w1);
     }
-    for (int r = 0; r < rows; ++r)
-        for (int p = 0; p < 2; ++p) {
-            v8 lo, hi;
-            memcpy(&lo, &acc[r][p], sizeof lo);
-            memcpy(&hi, (const float *)&acc[r][p] + 8, sizeof hi);
-            j->c[(size_t)(i0 + r) * j->ldc + n0 + 2 * p] = hsum8(lo);
-            j->c[(size_t)(i0 + r) * j->ldc + n0 + 2 * p + 1] = hsum8(hi);
-        }
+    store_pairs(j, acc, i0, rows, n0);
 }
 
 Q512 static void ptile_rows_avx512(const struct job *j, const float *pairs, int i0, int rows, int n0) {
-    switch (rows) { /* each row count its own inlined copy */
-    case 1: ptile_avx512(j, pairs, i0, 1, n0); break;
-    case 2: ptile_avx512(j, pairs, i0, 2, n0); break;
-    case 3: ptile_avx512(j, pairs, i0, 3, n0); break;
-    case 4: ptile_avx512(j, pairs, i0, 4, n0); break;
-    case 5: ptile_avx512(j, pairs, i0, 5, n0); break;
-    case 6: ptile_avx512(j, pairs, i0, 6, n0); break;
-    case 7: ptile_avx512(j, pairs, i0, 7, n0); break;
-    default: ptile_avx512(j, pairs, i0, 8, n0); break;
-    }
+#define PTILE(R) ptile_avx512(j, pairs, i0, R, n0)
+    BY_ROWS(rows, PTILE)
+#undef PTILE
 }
 
 Q512 static void dequantize_pairs_avx512(const struct job *j, int n0, float *out) {
