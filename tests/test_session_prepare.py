@@ -77,3 +77,36 @@ async def test_a_create_cancelled_while_its_kv_is_prepared_leaves_nothing(tiny_e
     finally:
         del tiny_engine.prepare_session
         await runtime.stop()
+
+
+async def test_creates_racing_for_the_last_slab_allocate_once(tiny_engine):
+    """The slab is held from the pool check on: a create that would not fit is refused before it allocates."""
+    import asyncio
+    import time
+
+    from inference_engine.errors import PoolExhausted
+
+    prepared: list[str] = []
+    prepare = tiny_engine.prepare_session
+
+    def slow(sink: int, window: int) -> object:
+        prepared.append(threading.current_thread().name)
+        time.sleep(0.1)  # every racer passes the pool check while the first one allocates
+        return prepare(sink, window)
+
+    runtime = Runtime(tiny_engine, make_config(max_sessions=2))
+    tiny_engine.prepare_session = slow
+    try:
+        await runtime.create_session(CreateSessionParams((), "t", 2, 16))
+        prepared.clear()
+        results = await asyncio.gather(*(runtime.create_session(CreateSessionParams((), "t", 2, 16))
+                                         for _ in range(4)), return_exceptions=True)
+        made = [r for r in results if not isinstance(r, BaseException)]
+        refused = [r for r in results if isinstance(r, PoolExhausted)]
+        assert len(made) == 1 and len(refused) == 3, results
+        assert len(prepared) == 1  # the refused ones never allocated
+        assert runtime.store.slabs_in_use == 2
+        runtime.store.get(made[0].session_id)  # registered
+    finally:
+        del tiny_engine.prepare_session
+        await runtime.stop()

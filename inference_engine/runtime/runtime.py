@@ -120,17 +120,19 @@ class Runtime:
         self._check_serving()
         sink = p.sink or self.config.default_sink
         window = p.window or self.config.default_window
-        self.store.reserve(self.engine.slab_bytes(sink, window))
-        session_id = self.store.new_id()
-        prepared = await asyncio.to_thread(self.engine.prepare_session, sink, window)  # K/V off the engine thread
-        coordinator = await self.engine.run(self.engine.open_session, sink, window, short_id(session_id), prepared)
-        eos = p.eos_token_ids or self.engine.spec.eos_token_ids
-        session = Session(session_id, coordinator, sink, window, tuple(eos), p.client_label, owner=p.owner)
-        try:
-            self.store.add(session)
-        except BaseException:
-            session.free()
-            raise
+        # The slab is held while the session is built (its K/V prepared off the engine thread, then
+        # opened on it), so CreateSessions racing for the last slab are refused before they allocate.
+        with self.store.reservation(self.engine.slab_bytes(sink, window)):
+            session_id = self.store.new_id()
+            prepared = await asyncio.to_thread(self.engine.prepare_session, sink, window)
+            coordinator = await self.engine.run(self.engine.open_session, sink, window, short_id(session_id), prepared)
+            eos = p.eos_token_ids or self.engine.spec.eos_token_ids
+            session = Session(session_id, coordinator, sink, window, tuple(eos), p.client_label, owner=p.owner)
+            try:
+                self.store.add(session, reserved=True)
+            except BaseException:
+                session.free()
+                raise
         log.info("session %s created by %s (sink %d, window %d, label %r)", session.tag, short_id(p.owner), sink,
                  window, p.client_label)
         return SessionCreated(session.session_id, sink, window)

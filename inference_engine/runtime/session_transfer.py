@@ -197,7 +197,7 @@ class SessionTransfer:
         self.check_fits(snap)
         f = snap.fingerprint
         geometry = self.engine.geometry(f.sink, f.window)
-        with self.store.reservation():  # the slab is held from here, and released on any failure
+        with self.store.reservation(self.engine.slab_bytes(f.sink, f.window)):  # held from here, released on any failure
             prepared = await asyncio.to_thread(self.engine.prepare_session, f.sink, f.window)  # off the engine thread
             coordinator = await self.engine.run(
                 lambda: install(snap, self.engine.backend, geometry, short_id(session_id), prepared))

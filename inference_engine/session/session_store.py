@@ -34,7 +34,7 @@ class SessionStore:
         self.max_kv_bytes = max_kv_bytes
         self._sessions: dict[str, Session] = {}
         self._draining: dict[str, Session] = {}  # closed but still busy: K/V not yet free
-        self._reserved = 0  # slabs held for sessions being built (`reservation`: restores, forks)
+        self._reserved = 0  # slabs held for sessions being built (`reservation`: creates, restores, forks)
         # Observers (--persist-sessions): a session was added or a call on it ended; one was closed or expired.
         self.on_change: Callable[[Session], None] | None = None
         self.on_remove: Callable[[Session], None] | None = None
@@ -80,14 +80,15 @@ class SessionStore:
             )
 
     @contextlib.contextmanager
-    def reservation(self) -> Iterator[None]:
-        """Hold one slab while a session is built (a restore or fork: slow); `add(..., reserved=True)`
-        inside takes it, and it is released whatever happens.
+    def reservation(self, nbytes: int = 0) -> Iterator[None]:
+        """Hold one slab while a session is built (its K/V allocated: a create, restore or fork);
+        `add(..., reserved=True)` inside takes it, and it is released whatever happens.
 
         Raises:
-            PoolExhausted: all `max_sessions` slabs are in use.
+            PoolExhausted: all `max_sessions` slabs are in use, or `nbytes` more K/V would exceed
+                `max_kv_bytes`.
         """
-        self.reserve()
+        self.reserve(nbytes)
         self._reserved += 1
         try:
             yield
