@@ -47,8 +47,9 @@ class Interposer:
 
 
 INTERPOSERS = {
-    # -ffp-contract=off: a multiply and an add rounded separately, never an FMA (see the source).
-    "exact_gemm": Interposer("exact_gemm", ("-O3", "-ffp-contract=off", "-lpthread", "-ldl"), "exact-gemm kernel",
+    # -ffp-contract=off: no multiply and add fused implicitly; the kernel's steps are explicit
+    # fused multiply-adds (fmaf: -lm where no FMA instruction is built in; see the source).
+    "exact_gemm": Interposer("exact_gemm", ("-O3", "-ffp-contract=off", "-lpthread", "-ldl", "-lm"), "exact-gemm kernel",
                              "exact_gemm_version", reports_version=True),
     "row_gemv": Interposer("row_gemv", ("-O2", "-ldl"), "row-gemv interposer", "row_gemv_version",
                            reports_version=False),

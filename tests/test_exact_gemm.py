@@ -145,6 +145,23 @@ def test_beta_zero_never_reads_c_and_k_zero(gemm):
     assert np.all(c == 1.0)
 
 
+@pytest.mark.parametrize("m", [1, 2, 5, 13])
+def test_each_step_is_one_fused_multiply_add(gemm, m):
+    """Lane 0 of column 0 holds -(1 + 2^-11) after k = 0 and meets (1 + 2^-12)^2 = 1 + 2^-11 + 2^-24 at k = 8:
+    one rounding (fused) leaves 2^-24; a rounded product (1 + 2^-11, the tie to even) then an add leaves 0. Every
+    tile shape (m rows) and both layouts must fuse, and nothing else may be fused or reordered."""
+    e = np.float32(1 + 2.0**-12)
+    x = np.zeros((m, 9), np.float32)
+    x[:, 0], x[:, 8] = -(1 + 2.0**-11), e
+    w_nk = np.zeros((3, 9), np.float32)
+    w_nk[:, 0], w_nk[:, 8] = 1.0, e
+    for c in (gemm(x, w_nk), gemm(x, np.ascontiguousarray(w_nk.T), trans_b=False)):
+        assert np.all(c == np.float32(2.0**-24)), c
+    # a third product in lane 1 keeps the lanes apart (hsum8 adds it last): 2^-24 + 3 rounds to 3
+    x[:, 1], w_nk[:, 1] = 1.0, 3.0
+    assert np.all(gemm(x, w_nk) == 3.0)
+
+
 def test_concurrent_callers_get_the_same_bits(gemm):
     """MLX may call from several threads: one holds the pool, the others compute inline."""
     rng = np.random.default_rng(3)
@@ -177,7 +194,7 @@ def test_the_check_detects_a_batch_variant_blas():
 
 def test_preloaded_in_front_of_openblas_under_mlx():
     out = probe(f"{kernel_library('exact_gemm')}:{find_openblas()}", rows=80, outs=72)
-    assert out["blas"].startswith("openblas: ") and out["blas"].endswith("+ exact-gemm kernel 2 (max rows 64, 8-lane mul+add; Q4_1/Q8_0 weights)")
+    assert out["blas"].startswith("openblas: ") and out["blas"].endswith("+ exact-gemm kernel 3 (max rows 64, 8-lane fused multiply-add; Q4_1/Q8_0 weights)")
     assert out["invariant_rows"][:64] == [True] * 64  # every block of <= 64 rows: a row's bits never depend on it
     assert all(out["close"]) and all(out["close_notrans"]) and all(out["close_addmm"])  # including > 64 (OpenBLAS)
     assert out["close_attention"] and out["close_trans_a"]

@@ -145,9 +145,11 @@ def test_concurrent_callers_get_the_same_bits(qgemm):
     assert differing_calls(lambda x: qgemm(Q4_1, x, blocks), xs) == []
 
 
-def test_avx512_tiles_give_the_avx2_bits(lib, qgemm, tmp_path):
-    """Where the CPU has AVX-512, calls take two columns per instruction (register tiles up to 12 rows, tiles
-    over dequantized column pairs beyond); the bits must be the AVX2 path's (EXACT_GEMM_NO_AVX512 keeps a process on it). Elsewhere both runs take the same path."""
+@pytest.mark.parametrize("env", ["EXACT_GEMM_NO_AVX512", "EXACT_GEMM_PORTABLE"])
+def test_every_instruction_set_gives_the_same_bits(lib, qgemm, gemm, env, tmp_path):
+    """A process held off AVX-512 (AVX2 + FMA tiles) or off every vector extension (portable C, libm's fmaf lane by
+    lane: a CPU without AVX2/FMA) computes the very bits this one does, quantized and fp32, both layouts. Where the
+    CPU lacks the extension, both runs take the same path."""
     import os
     import subprocess
     import sys
@@ -156,16 +158,22 @@ def test_avx512_tiles_give_the_avx2_bits(lib, qgemm, tmp_path):
     cases = [(fmt, rng.standard_normal((m, k), dtype=np.float32), random_blocks(rng, fmt, n, k))
              for fmt, k, n in ((Q4_1, 576, 1539), (Q4_1, 1536, 577), (Q8_0, 576, 1027))  # odd n: a 1..3-column tail
              for m in (1, 3, 8, 12, 13, 23, 64)]
-    for i, (fmt, x, blocks) in enumerate(cases):
+    cases += [(trans, rng.standard_normal((m, k), dtype=np.float32), rng.standard_normal(shape, dtype=np.float32))
+              for trans, k, shape in (("nt", 576, (963, 576)), ("nn", 67, (67, 61)))  # nn: attention's w @ v
+              for m in (1, 5, 64)]
+    for i, (fmt, x, w) in enumerate(cases):
         np.save(tmp_path / f"x{i}.npy", x)
-        np.save(tmp_path / f"b{i}.npy", blocks)
+        np.save(tmp_path / f"b{i}.npy", w)
     script = (
         "import sys, numpy as np; sys.path.insert(0, '.'); from tests.test_exact_qgemm import QGemm\n"
-        f"q = QGemm({lib!r})\n"
+        "from tests.test_exact_gemm import Gemm\n"
+        f"q, g = QGemm({lib!r}), Gemm({lib!r})\n"
         f"for i, fmt in enumerate({[fmt for fmt, _, _ in cases]!r}):\n"
-        f"    np.save('{tmp_path}/c%d.npy' % i, q(fmt, np.load('{tmp_path}/x%d.npy' % i), np.load('{tmp_path}/b%d.npy' % i)))\n"
+        f"    x, w = np.load('{tmp_path}/x%d.npy' % i), np.load('{tmp_path}/b%d.npy' % i)\n"
+        f"    c = g(x, w, trans_b=fmt == 'nt') if isinstance(fmt, str) else q(fmt, x, w)\n"
+        f"    np.save('{tmp_path}/c%d.npy' % i, c)\n"
     )
-    env = dict(os.environ, EXACT_GEMM_NO_AVX512="1")
-    subprocess.run([sys.executable, "-c", script], env=env, check=True, cwd=os.getcwd())
-    for i, (fmt, x, blocks) in enumerate(cases):
-        assert np.array_equal(qgemm(fmt, x, blocks).view(np.uint32), np.load(tmp_path / f"c{i}.npy").view(np.uint32))
+    subprocess.run([sys.executable, "-c", script], env=dict(os.environ, **{env: "1"}), check=True, cwd=os.getcwd())
+    for i, (fmt, x, w) in enumerate(cases):
+        here = gemm(x, w, trans_b=fmt == "nt") if isinstance(fmt, str) else qgemm(fmt, x, w)
+        assert np.array_equal(here.view(np.uint32), np.load(tmp_path / f"c{i}.npy").view(np.uint32)), (env, i)

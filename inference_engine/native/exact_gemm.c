@@ -10,11 +10,12 @@
  * which weights are reused from registers and L1, i.e. a weight row is read from memory
  * once per call, not once per row.
  *
- * Arithmetic: explicit 8-lane GCC vectors, a multiply and an add rounded separately
- * (built with -ffp-contract=off; no FMA anywhere), so SSE2, AVX2 and AVX-512 machines give
- * the same bits. No -march=native (a cached build may meet another CPU): on x86-64 the
- * column loops get an AVX2 clone chosen at load time (target_clones), which changes the
- * instructions, not the operations.
+ * Arithmetic: explicit 8-lane GCC vectors, each step a fused multiply-add rounded once
+ * (exact_dot.h's fma_step; IEEE 754 defines its result to the bit), nothing else fused
+ * (built with -ffp-contract=off), so x86-64 with or without AVX2/FMA/AVX-512, and AArch64,
+ * give the same bits. No -march=native (a cached build may meet another CPU): on x86-64 the
+ * column loops are built twice, for AVX2 + FMA and portably (libm's fmaf lane by lane), and
+ * the CPU picks one at load time, which changes the instructions, not the operations.
  *
  * Cases: RowMajor, A not transposed, B transposed (MLX's x @ W.T: each output is the dot
  * product of two contiguous rows) or not (attention's weights @ values: one sequential
@@ -24,7 +25,7 @@
  *
  * Quantized weights (`exact_qgemm`, called by the MLX extension native/exact_quant.cpp, any
  * M): each block's 32 weights are dequantized exactly as the converter did (ggml_blocks.h)
- * and fed to the same dot_step/hsum8 in the same k order as the fp32 B-transposed case, so
+ * and fed to the same fma_step/hsum8 in the same k order as the fp32 B-transposed case, so
  * the result is bitwise x @ W.T of the served fp32 weights (exact_qtiles.h). One row:
  * dequantized in registers, 4 weight rows at a time. 2..12 rows: register tiles (4 x 2, or
  * 8 x 1 for 5..8 rows), each weight dequantized once per row group. More rows: 3 weight rows
@@ -65,7 +66,7 @@
 #define SOLO_CALLS 16
 #define CHUNK_COST 400000L /* rows (at least 4) x k x columns per claimed chunk (~20 us) */
 
-const char exact_gemm_version[] = "exact-gemm kernel 2 (max rows 64, 8-lane mul+add; Q4_1/Q8_0 weights)";
+const char exact_gemm_version[] = "exact-gemm kernel 3 (max rows 64, 8-lane fused multiply-add; Q4_1/Q8_0 weights)";
 
 enum { ROW_MAJOR = 101 };
 enum { NO_TRANS = 111, TRANS = 112 };
@@ -74,13 +75,7 @@ typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int
                          float, float *, int);
 static sgemm_fn real_sgemm;
 
-#if defined(__x86_64__) && !defined(__AVX2__)
-#define KERNEL __attribute__((target_clones("avx2", "default")))
-#else
-#define KERNEL
-#endif
-
-/* --------------------------------------------------------------- B transposed: rows . rows */
+/* ---------------------------------------------------------------------------- a call */
 
 struct job {
     int trans_b, m, n, k;
@@ -93,165 +88,7 @@ struct job {
     size_t ldq;         /* bytes from one weight row to the next */
 };
 
-/* R rows of A x C rows of B, full K: every weight vector loaded once feeds R rows. `pf`: the
- * weight rows this thread reads next (prefetched while these are multiplied), or NULL. */
-#define TILE_NT(R, C)                                                                              \
-    INLINE void tile_nt_##R##x##C(const struct job *j, int i0, int n0, const float *pf) {        \
-        const float *a = j->a + (size_t)i0 * j->lda, *b = j->b + (size_t)n0 * j->ldb;             \
-        v8 acc[R][C];                                                                              \
-        for (int r = 0; r < R; ++r)                                                                \
-            for (int c = 0; c < C; ++c)                                                            \
-                acc[r][c] = (v8){0};                                                               \
-        int k = 0;                                                                                 \
-        for (; k + 8 <= j->k; k += 8) {                                                            \
-            v8 w[C];                                                                               \
-            for (int c = 0; c < C; ++c) {                                                          \
-                w[c] = load8(b + c * j->ldb + k);                                                  \
-                if (pf)                                                                            \
-                    __builtin_prefetch(pf + c * j->ldb + k);                                       \
-            }                                                                                      \
-            for (int r = 0; r < R; ++r) {                                                          \
-                v8 x = load8(a + r * j->lda + k);                                                  \
-                for (int c = 0; c < C; ++c)                                                        \
-                    acc[r][c] = dot_step(acc[r][c], x, w[c]);                                      \
-            }                                                                                      \
-        }                                                                                          \
-        if (k < j->k)                                                                              \
-            for (int r = 0; r < R; ++r)                                                            \
-                for (int c = 0; c < C; ++c)                                                        \
-                    acc[r][c] = dot_step(acc[r][c], load_tail(a + r * j->lda + k, j->k - k),       \
-                                         load_tail(b + c * j->ldb + k, j->k - k));                 \
-        for (int r = 0; r < R; ++r)                                                                \
-            for (int c = 0; c < C; ++c) {                                                          \
-                float *out = j->c + (size_t)(i0 + r) * j->ldc + n0 + c;                            \
-                *out = scale_add(hsum8(acc[r][c]), j->alpha, j->beta, out);                        \
-            }                                                                                      \
-    }
-
-TILE_NT(1, 1)
-TILE_NT(1, 2)
-TILE_NT(1, 3)
-TILE_NT(2, 1)
-TILE_NT(2, 2)
-TILE_NT(2, 3)
-TILE_NT(3, 1)
-TILE_NT(3, 2)
-TILE_NT(3, 3)
-TILE_NT(4, 1)
-TILE_NT(4, 2)
-TILE_NT(4, 3)
-TILE_NT(1, 8)
-
-/* The tile of `rows` x `cols` at (i, n); inlined, so each clone of the caller gets its own. */
-INLINE void tile_nt(const struct job *j, int rows, int cols, int i, int n, const float *pf) {
-    switch (rows * 4 + cols) {
-    case 5: tile_nt_1x1(j, i, n, pf); break;
-    case 6: tile_nt_1x2(j, i, n, pf); break;
-    case 7: tile_nt_1x3(j, i, n, pf); break;
-    case 9: tile_nt_2x1(j, i, n, pf); break;
-    case 10: tile_nt_2x2(j, i, n, pf); break;
-    case 11: tile_nt_2x3(j, i, n, pf); break;
-    case 13: tile_nt_3x1(j, i, n, pf); break;
-    case 14: tile_nt_3x2(j, i, n, pf); break;
-    case 15: tile_nt_3x3(j, i, n, pf); break;
-    case 17: tile_nt_4x1(j, i, n, pf); break;
-    case 18: tile_nt_4x2(j, i, n, pf); break;
-    default: tile_nt_4x3(j, i, n, pf); break;
-    }
-}
-
-/* Columns [n0, n1) of every row. One row: 8 weight rows in flight (memory-bound; the
- * hardware prefetcher keeps up). More rows: 3 weight rows at a time against every 4-row
- * group of A; they stay in L1 from the first group on, and the next 3 are prefetched
- * meanwhile, so memory and arithmetic overlap. */
-KERNEL static void run_nt(const struct job *j, int n0, int n1) {
-    int n = n0;
-    if (j->m == 1) {
-        for (; n + 8 <= n1; n += 8)
-            tile_nt_1x8(j, 0, n, NULL);
-        for (; n < n1; n += 3)
-            tile_nt(j, 1, n1 - n < 3 ? n1 - n : 3, 0, n, NULL);
-        return;
-    }
-    for (; n < n1; n += 3) {
-        int cols = n1 - n < 3 ? n1 - n : 3;
-        const float *pf = n + 6 <= n1 ? j->b + (size_t)(n + 3) * j->ldb : NULL;
-        for (int i = 0; i < j->m; i += 4)
-            tile_nt(j, j->m - i < 4 ? j->m - i : 4, cols, i, n, pf);
-    }
-}
-
-/* ------------------------------------------------------------ B not transposed: row x cols */
-
-/* R rows of A x 8*C columns of B: one sequential chain over k per element. */
-#define TILE_NN(R, C)                                                                              \
-    INLINE void tile_nn_##R##x##C(const struct job *j, int i0, int n0) {                          \
-        const float *a = j->a + (size_t)i0 * j->lda, *b = j->b + n0;                              \
-        v8 acc[R][C];                                                                              \
-        for (int r = 0; r < R; ++r)                                                                \
-            for (int c = 0; c < C; ++c)                                                            \
-                acc[r][c] = (v8){0};                                                               \
-        for (int k = 0; k < j->k; ++k) {                                                           \
-            v8 w[C];                                                                               \
-            for (int c = 0; c < C; ++c)                                                            \
-                w[c] = load8(b + (size_t)k * j->ldb + 8 * c);                                      \
-            for (int r = 0; r < R; ++r) {                                                          \
-                float s = a[r * j->lda + k];                                                   \
-                v8 x = {s, s, s, s, s, s, s, s};                                                \
-                for (int c = 0; c < C; ++c)                                                        \
-                    acc[r][c] = dot_step(acc[r][c], x, w[c]);                                      \
-            }                                                                                      \
-        }                                                                                          \
-        for (int r = 0; r < R; ++r)                                                                \
-            for (int c = 0; c < C; ++c)                                                            \
-                for (int l = 0; l < 8; ++l) {                                                      \
-                    float *out = j->c + (size_t)(i0 + r) * j->ldc + n0 + 8 * c + l;                \
-                    *out = scale_add(acc[r][c][l], j->alpha, j->beta, out);                        \
-                }                                                                                  \
-    }
-
-TILE_NN(1, 1)
-TILE_NN(1, 2)
-TILE_NN(2, 1)
-TILE_NN(2, 2)
-TILE_NN(3, 1)
-TILE_NN(3, 2)
-TILE_NN(4, 1)
-TILE_NN(4, 2)
-
-INLINE void tile_nn(const struct job *j, int rows, int vecs, int i, int n) {
-    switch (rows * 2 + vecs) {
-    case 3: tile_nn_1x1(j, i, n); break;
-    case 4: tile_nn_1x2(j, i, n); break;
-    case 5: tile_nn_2x1(j, i, n); break;
-    case 6: tile_nn_2x2(j, i, n); break;
-    case 7: tile_nn_3x1(j, i, n); break;
-    case 8: tile_nn_3x2(j, i, n); break;
-    case 9: tile_nn_4x1(j, i, n); break;
-    default: tile_nn_4x2(j, i, n); break;
-    }
-}
-
-/* One column of one row: the same chain as a vector lane, in scalar code. */
-static void column_nn(const struct job *j, int i, int n) {
-    float s = 0.0f;
-    for (int k = 0; k < j->k; ++k)
-        s = s + j->a[(size_t)i * j->lda + k] * j->b[(size_t)k * j->ldb + n];
-    float *out = j->c + (size_t)i * j->ldc + n;
-    *out = scale_add(s, j->alpha, j->beta, out);
-}
-
-KERNEL static void run_nn(const struct job *j, int n0, int n1) {
-    int n = n0;
-    for (; n + 8 <= n1; n += 8 * (n + 16 <= n1 ? 2 : 1))
-        for (int i = 0; i < j->m; i += 4)
-            tile_nn(j, j->m - i < 4 ? j->m - i : 4, n + 16 <= n1 ? 2 : 1, i, n);
-    for (; n < n1; ++n)
-        for (int i = 0; i < j->m; ++i)
-            column_nn(j, i, n);
-}
-
-/* ------------------------------------------------------------ B quantized: rows . blocks */
+/* ----------------------------------------------- the column loops, one variant per CPU kind */
 
 static __thread float *scratch; /* per thread: dequantized weight rows for multi-row tiles */
 static __thread size_t scratch_floats;
@@ -286,19 +123,28 @@ static inline void halves_portable(const uint8_t *p, v8 *a, v8 *b) {
     *b = splat8(half_to_float(p + 2));
 }
 
+/* Portable C (any CPU; an x86-64 without AVX2 + FMA, or EXACT_GEMM_PORTABLE=1 for tests): fma_step is
+ * libm's fmaf lane by lane, correctly rounded, so the bits of every other variant. */
 #define QV(name) name##_portable
 #define QTARGET
+#define STEP fma_step
 #define WIDEN_U8 widen_u8_portable
 #define WIDEN_S8 widen_s8_portable
 #define HALVES halves_portable
 #define Q4_1_GROUP q4_1_group
+#include "exact_tiles.h"
 #include "exact_qtiles.h"
 #undef QV
 #undef QTARGET
+#undef STEP
 #undef WIDEN_U8
 #undef WIDEN_S8
 #undef HALVES
 #undef Q4_1_GROUP
+
+typedef void (*columns_fn)(const struct job *, int, int);
+/* The variants the CPU runs: run_*_avx2 / run_q_avx512 where it has them (choose_columns). */
+static columns_fn run_nt = run_nt_portable, run_nn = run_nn_portable, run_q = run_q_portable;
 
 #if defined(__x86_64__) && !defined(__AVX2__)
 #include <immintrin.h>
@@ -312,21 +158,26 @@ QTARGET static inline void halves_f16c(const uint8_t *p, v8 *a, v8 *b) {
     *b = (v8)_mm256_broadcastss_ps(_mm_movehdup_ps(f));
 }
 
+/* fma_step in one instruction (GCC does not vectorize the lane loop reliably inside the tiles). */
+QTARGET INLINE v8 fma8_avx2(v8 acc, v8 x, v8 w) { return (v8)_mm256_fmadd_ps((__m256)x, (__m256)w, (__m256)acc); }
+
+#define STEP fma8_avx2
 #define WIDEN_U8(p) ((v8i)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
 #define WIDEN_S8(p) ((v8i)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
 #define HALVES halves_f16c
 /* q4_1_group's d * q + m as one fused multiply-add: d * q is exact (ggml_blocks.h), so one
  * rounding of d * q + m is the converter's two, bit for bit: checked against mul + add over
  * all 2^36 (fp16 d, nibble, fp16 m), where only NaN payloads differed, for a NaN d or m. One
- * instruction fewer per 8 weights; the dot products stay separately rounded multiplies and adds. */
+ * instruction fewer per 8 weights; the dot products are fma_step's, as everywhere. */
 #define Q4_1_GROUP(d, m, q) ((v8)_mm256_fmadd_ps((__m256)(d), _mm256_cvtepi32_ps((__m256i)(q)), (__m256)(m)))
 #define QV(name) name##_avx2
+#include "exact_tiles.h"
 #include "exact_qtiles.h"
 
 /* One to 12 rows (decode, batches, verification) on AVX-512: the AVX2 tiles' arithmetic for two columns per instruction. Each
  * 512-bit register holds two 8-lane accumulators side by side (lanes 0..7 column c, 8..15 column
  * c + 1), each fed exactly the operations qtile_1 feeds its column's (the same dequantization,
- * separately rounded multiply and add, blocks and groups in order, the same hsum8), so the bits
+ * fused multiply-add, blocks and groups in order, the same hsum8), so the bits
  * are the AVX2 path's; only the instruction count halves, and one-row Q4_1 products are bound by
  * it (a core whose 512-bit pipes are full width does twice the lanes per instruction). */
 #define Q512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,f16c,fma")))
@@ -371,13 +222,13 @@ Q512 static inline v16 group_pair(int fmt, const uint8_t *b0, const uint8_t *b1,
     }
 
 /* One step of 8 k for `rows` (<= 8) rows: row r's 8 floats at x + r * lda, in both halves, times the
- * two column pairs w0, w1; dot_step's two roundings for each of the 4 columns. */
+ * two column pairs w0, w1; fma_step's one rounding for each of the 4 columns. */
 Q512 static inline __attribute__((always_inline)) void pairs_step(v16 acc[8][2], int rows, const float *x, size_t lda,
                                                                     v16 w0, v16 w1) {
     for (int r = 0; r < rows; ++r) {
         v16 xr = dup8(x + r * lda);
-        acc[r][0] = acc[r][0] + xr * w0;
-        acc[r][1] = acc[r][1] + xr * w1;
+        acc[r][0] = (v16)_mm512_fmadd_ps((__m512)xr, (__m512)w0, (__m512)acc[r][0]);
+        acc[r][1] = (v16)_mm512_fmadd_ps((__m512)xr, (__m512)w1, (__m512)acc[r][1]);
     }
 }
 
@@ -464,7 +315,7 @@ Q512 static inline __attribute__((always_inline)) void dequantize_pairs(const st
 
 /* `rows` (<= 8) rows of A from i0 x the 4 dequantized columns at `pairs` (dequantize_pairs), full
  * K: tile_nt's operations on those weights (lane j of a column: k = j, j + 8, ... increasing, a
- * separately rounded multiply and add, then hsum8), two columns per instruction. */
+ * fused multiply-add, then hsum8), two columns per instruction. */
 Q512 static inline __attribute__((always_inline)) void ptile_avx512(const struct job *j, const float *pairs, int i0,
                                                                       int rows, int n0) {
     const int groups = j->k / 8;
@@ -512,18 +363,18 @@ Q512 static void run_q_avx512(const struct job *j, int n0, int n1) {
         run_q_avx2(j, n, n1); /* the last columns */
 }
 
-static void (*run_q)(const struct job *, int, int) = run_q_portable; /* run_q_avx2 / _avx512 where the CPU has it */
-
-__attribute__((constructor)) static void choose_run_q(void) {
+__attribute__((constructor)) static void choose_columns(void) {
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma"))
-        run_q = run_q_avx2;
-    if (run_q == run_q_avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") && !getenv("EXACT_GEMM_NO_AVX512"))
+    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("f16c") || !__builtin_cpu_supports("fma") ||
+        getenv("EXACT_GEMM_PORTABLE")) /* tests: the path of a CPU without them, for its bits */
+        return;
+    run_nt = run_nt_avx2;
+    run_nn = run_nn_avx2;
+    run_q = run_q_avx2;
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
+        __builtin_cpu_supports("avx512vl") && !getenv("EXACT_GEMM_NO_AVX512"))
         run_q = run_q_avx512;
 }
-#else
-#define run_q run_q_portable
 #endif
 
 /* ------------------------------------------------------------------------- the thread pool */

@@ -1,13 +1,14 @@
 /*
  * exact_qtiles.h: the quantized-weight column loop, instantiated once per instruction set.
  *
- * Included by exact_gemm.c with QV(name) (the variant's suffix), QTARGET (its target
- * attribute), WIDEN_U8/WIDEN_S8 (8 bytes -> 8 int32 lanes), HALVES(p, &a, &b) (the fp16 at
- * p and p + 2 as floats in every lane of a and b) and Q4_1_GROUP(d, m, q) (ggml_blocks.h's
+ * Included by exact_gemm.c after exact_tiles.h, with QV(name) (the variant's suffix), QTARGET
+ * (its target attribute), STEP (exact_dot.h's fma_step, or its one instruction), WIDEN_U8 /
+ * WIDEN_S8 (8 bytes -> 8 int32 lanes), HALVES(p, &a, &b) (the fp16 at p and p + 2 as floats in
+ * every lane of a and b) and Q4_1_GROUP(d, m, q) (ggml_blocks.h's
  * q4_1_group, or one fused multiply-add giving its very bits) defined. Only these differ between
  * variants (GCC's vector extensions scalarize the moves; AVX2 gets vpmovzxbd/vpmovsxbd and
  * F16C's vcvtph2ps); they are exact either way (every fp16 is a float), and every other
- * floating-point operation is the shared code of ggml_blocks.h and exact_dot.h.
+ * floating-point operation is the shared code of ggml_blocks.h and exact_dot.h (STEP: fma_step).
  */
 
 /* Software prefetch of the next tile's weight rows (the `cols` rows after this tile's, which
@@ -87,7 +88,7 @@ QTARGET INLINE void QV(qtile_m)(const struct job *j, int i0, int rows, int n0, i
                 v8 x = load8(a + r * j->lda + GGML_QK * b + 8 * g);
 #pragma GCC unroll 4
                 for (int c = 0; c < cols; ++c)
-                    acc[r][c] = dot_step(acc[r][c], x, wv[c]);
+                    acc[r][c] = STEP(acc[r][c], x, wv[c]);
             }
         }
     }
@@ -135,7 +136,7 @@ QTARGET INLINE void QV(qtile_1)(const struct job *j, int n0, int cols, int fmt) 
             QV(block)(fmt, w + c * j->ldq + (size_t)b * bytes, wv);
 #pragma GCC unroll 4
             for (int g = 0; g < 4; ++g)
-                acc[c] = dot_step(acc[c], x[g], wv[g]);
+                acc[c] = STEP(acc[c], x[g], wv[g]);
         }
     }
     for (int c = 0; c < cols; ++c)
@@ -187,7 +188,7 @@ QTARGET INLINE void QV(run_q_fmt)(const struct job *j, int n0, int n1, int fmt) 
         /* The fp32 case's own tiles over the dequantized rows: the same per-element code. */
         struct job f = {1, j->m, cols, j->k, 1.0f, 0.0f, j->a, rows, j->c + n, j->lda, (size_t)j->k, j->ldc, 0, NULL, 0};
         for (int i = 0; i < j->m; i += 4)
-            tile_nt(&f, j->m - i < 4 ? j->m - i : 4, cols, i, 0, NULL);
+            QV(tile_nt)(&f, j->m - i < 4 ? j->m - i : 4, cols, i, 0, NULL);
     }
 }
 
