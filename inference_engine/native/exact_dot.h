@@ -49,12 +49,26 @@ INLINE v8 splat8(float s) { return (v8){s, s, s, s, s, s, s, s}; }
 
 INLINE v8 dot_step(v8 acc, v8 x, v8 w) { return acc + x * w; } /* two roundings, never fused */
 
-INLINE v8 fma_step(v8 acc, v8 x, v8 w) { /* one rounding: GCC makes it one vfmadd231ps where FMA is on */
+#if defined(__aarch64__)
+#include <arm_neon.h>
+INLINE v8 fma_step(v8 acc, v8 x, v8 w) { /* one rounding: two NEON fmla (GCC leaves the lane loop scalar) */
+    float32x4_t a[2], xs[2], ws[2];
+    memcpy(a, &acc, sizeof a);
+    memcpy(xs, &x, sizeof xs);
+    memcpy(ws, &w, sizeof ws);
+    a[0] = vfmaq_f32(a[0], xs[0], ws[0]);
+    a[1] = vfmaq_f32(a[1], xs[1], ws[1]);
+    memcpy(&acc, a, sizeof a);
+    return acc;
+}
+#else
+INLINE v8 fma_step(v8 acc, v8 x, v8 w) { /* one rounding: lane by lane (x86-64's variants use their own instruction) */
     v8 r;
     for (int l = 0; l < 8; ++l)
         r[l] = __builtin_fmaf(x[l], w[l], acc[l]);
     return r;
 }
+#endif
 
 INLINE float hsum8(v8 v) { return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7])); }
 
