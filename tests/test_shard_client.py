@@ -88,6 +88,28 @@ class _Scripted(pb_grpc.ShardRuntimeServicer):
                 await context.write(a)
 
 
+    async def Batch(self, request_iterator, context):
+        async for request in request_iterator:
+            if self.mode == "eof":
+                return
+            frames = []
+            for e in request.entries:
+                kind = e.frame.WhichOneof("frame")
+                msg = getattr(e.frame, kind)
+                step, position = msg.idempotency_step, msg.position
+                rows = len(e.frame.chunk.token_ids) if kind == "chunk" else 1
+                frames.append({
+                    "wrong-step": _result(step + 1, position, rows, output=_logits(rows)),
+                    "dup-ack": pb.ShardResponseFrame(ack=pb.ShardAck(idempotency_step=step, duplicate=True)),
+                    "double-accept": pb.ShardResponseFrame(accepted=pb.SessionAccepted()),
+                    "unknown-code": pb.ShardResponseFrame(error=pb.ShardError(
+                        code=99, message="from the future", idempotency_step=step, session_closed=True)),
+                    "refuse-once": pb.ShardResponseFrame(error=pb.ShardError(  # every entry: resent on its stream
+                        code=pb.SHARD_ERROR_FLOW_CONTROL_VIOLATION, retryable=True, idempotency_step=step)),
+                }.get(self.mode, _result(step, position, rows, output=_logits(rows))))
+            await context.write(pb.ShardBatchResponse(frames=frames[:1] if self.mode == "short-batch" else frames))
+
+
 @contextlib.asynccontextmanager
 async def _scripted(mode: str, **kw):
     server = grpc.aio.server()
@@ -179,3 +201,32 @@ async def test_a_stream_that_ends_is_unavailable():
             await p.forward("s", [1])
         with pytest.raises(ShardUnavailable, match="scripted worker went away"):  # the end is sticky
             await hop.request(pb.ShardRequestFrame(), 9)
+
+
+@pytest.mark.parametrize("mode,error,match", [
+    ("wrong-step", MalformedShardOutput, "answered step 2 to a Batch entry of step 1"),
+    ("dup-ack", MalformedShardOutput, "as a duplicate"),
+    ("double-accept", MalformedShardOutput, "answered a Batch entry with accepted"),
+    ("unknown-code", ShardError, "from the future"),
+    ("short-batch", MalformedShardOutput, "answered 1 frames to a Batch request of 2 entries"),
+    ("eof", ShardUnavailable, "ended the Batch stream"),
+])
+async def test_batch_answers_are_checked(mode, error, match):
+    async with _scripted(mode) as p:
+        await p.open("s", 2, 8)
+        await p.open("t", 2, 8)
+        got = await p.forward_many([("s", [1], True), ("t", [2, 3], True)])
+        assert all(isinstance(g, error) for g in got), got
+        assert all(match in str(g) for g in got[: 1 if mode in ("wrong-step", "dup-ack") else 2]), got
+        with pytest.raises(InvariantViolation, match="failed"):  # the sessions failed, as after a forward
+            await p.forward("s", [1])
+
+
+async def test_a_batch_refusal_for_credit_is_resent_on_the_session_stream(monkeypatch):
+    monkeypatch.setattr(hop_stream, "FLOW_BACKOFF_S", 0.0)
+    async with _scripted("refuse-once") as p:
+        await p.open("s", 2, 8)
+        await p.open("t", 2, 8)
+        got = await p.forward_many([("s", [1], True), ("t", [2, 3], True)])
+        assert [g.shape for g in got] == [(1, VOCAB), (2, VOCAB)]
+        assert (p.position("s"), p.position("t")) == (1, 2)

@@ -119,7 +119,11 @@ async def test_blocks_of_several_sessions_go_out_together_and_close_frees_the_sl
                     v.end_block(out)
                     v.commit_or_truncate(9, 9)
 
+            sent = []
+            for b in engine.backend.route.pipeline._batches:
+                b.request = (lambda real: lambda entries: sent.append(len(entries)) or real(entries))(b.request)
             await engine.run(together)
+            assert sent == [3, 3]  # one Batch message per hop carried all three sessions
             assert [await engine.run(v.state_digest) for v in got] == [v.state_digest() for v in want]
             for v in got:
                 v.executor.close()
@@ -131,6 +135,42 @@ async def test_blocks_of_several_sessions_go_out_together_and_close_frees_the_sl
             assert [w.metrics().sessions for w in workers] == [0, 0]
         finally:
             local.close()
+
+
+async def test_a_worker_dying_under_batched_blocks_is_invisible_to_every_session(tiny):
+    """Three sessions' blocks go through the route together (one Batch message per hop); the tail dies
+    inside one of those forwards and comes back: every session is restored from its log and ends
+    bitwise where a single process ends."""
+    plan = [(9, 9), (1, 1), (4, 2), (1, 1), (3, 3), (2, 0), (1, 1)]  # (rows, accepted) per step
+    async with _served(tiny) as (engine, tail, _):
+        local = Engine(tiny, exact=True, max_tile=4, plain_block=64, max_rollback=8)
+        loop = asyncio.get_running_loop()
+
+        def run(e: Engine, vs: list, before_step=lambda i: None, together: bool = True) -> list[list[str]]:
+            positions, digests = [0] * len(vs), []
+            for i, (n, keep) in enumerate(plan):
+                before_step(i)
+                blocks = [v.begin_block(TOKENS[k + positions[k] : k + positions[k] + n]) for k, v in enumerate(vs)]
+                outs = e.backend.forward(blocks) if together else [e.backend.forward([b])[0] for b in blocks]
+                for k, (v, out) in enumerate(zip(vs, outs)):
+                    v.end_block(out)
+                    v.commit_or_truncate(n, keep)
+                    positions[k] += keep
+                digests.append([v.state_digest() for v in vs])
+            return digests
+
+        try:
+            want = run(local, [local.make_verifier(SINK, WINDOW) for _ in range(3)], together=False)
+        finally:
+            local.close()
+
+        def crash(i: int) -> None:
+            if i in (2, 5):  # the tail dies inside this step's batched forward; back 0.2 s later
+                tail.inject(FaultConfig(crash_after=1), calls=0)
+                loop.call_soon_threadsafe(loop.call_later, 0.2, tail.inject, FaultConfig())
+
+        got = [await engine.run(engine.make_verifier, SINK, WINDOW) for _ in range(3)]
+        assert await engine.run(run, engine, got, crash) == want
 
 
 async def _sessions_on(workers, want: int) -> list[int]:

@@ -3,16 +3,21 @@
 import argparse
 import contextlib
 
+import grpc
 import numpy as np
 import pytest
 
 from inference_engine.errors import RuntimeServiceError
+from inference_engine.security.credentials import open_channel
 from inference_engine.security.settings import ClientSecurity, ServerSecurity
 from inference_engine.shard.client.pipeline import ShardPipeline
 from inference_engine.shard.protocol.types import LayerRange
+from inference_engine.shard.protocol.wire import CLIENT_CHANNEL_OPTIONS
 from inference_engine.shard.worker.config import add_worker_flags, worker_config_from_args
 from inference_engine.shard.worker.mlx_engine import MlxShardEngine
 from inference_engine.shard.worker.servicer import start_shard_server
+from inference_engine.v1 import shard_runtime_pb2 as pb
+from inference_engine.v1 import shard_runtime_pb2_grpc as pb_grpc
 from tests.certs import TOKEN_A, token_file
 from tests.shard_helpers import ref_block, reference
 
@@ -43,11 +48,21 @@ async def test_route_over_mtls_with_tokens(tiny, pki, tmp_path):
             geometry = await pipeline.open("s", sink=2, window=5)
             got = await pipeline.forward("s", TOKENS)
             assert got.tobytes() == ref_block(reference(tiny, geometry), TOKENS).tobytes()
+            await pipeline.open("t", sink=2, window=5)  # two sessions in one Batch message per hop
+            both = await pipeline.forward_many([("s", TOKENS[:1], True), ("t", TOKENS, True)])
+            assert both[1].tobytes() == got.tobytes() and both[0].shape == (1, got.shape[1])
         no_token = ClientSecurity(ca_file=pki.ca, cert_file=pki.client_a.cert, key_file=pki.client_a.key)
         pipeline = ShardPipeline(addresses, channel_security=no_token, connect_timeout_s=5)
         with pytest.raises(RuntimeServiceError, match="bearer token"):
             await pipeline.connect()
         await pipeline.close()
+        channel = open_channel(addresses[0], no_token, CLIENT_CHANNEL_OPTIONS)
+        call = pb_grpc.ShardRuntimeStub(channel).Batch()  # the Batch stream sits behind the same check
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await call.write(pb.ShardBatchRequest())
+            await call.read()
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        await channel.close()
         pipeline = ShardPipeline(addresses, connect_timeout_s=2)  # plaintext to a TLS worker
         with pytest.raises(RuntimeServiceError, match="unavailable"):
             await pipeline.connect()

@@ -374,3 +374,23 @@ class ShardKvImport(_message.Message):
     keys: _containers.RepeatedCompositeFieldContainer[ActivationTensor]
     values: _containers.RepeatedCompositeFieldContainer[ActivationTensor]
     def __init__(self, route_epoch: _Optional[int] = ..., deadline_unix_nanos: _Optional[int] = ..., idempotency_step: _Optional[int] = ..., position: _Optional[int] = ..., target_position: _Optional[int] = ..., keys: _Optional[_Iterable[_Union[ActivationTensor, _Mapping]]] = ..., values: _Optional[_Iterable[_Union[ActivationTensor, _Mapping]]] = ...) -> None: ...
+
+class ShardBatchEntry(_message.Message):
+    __slots__ = ("route_session_id", "frame")
+    ROUTE_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    FRAME_FIELD_NUMBER: _ClassVar[int]
+    route_session_id: str
+    frame: ShardRequestFrame
+    def __init__(self, route_session_id: _Optional[str] = ..., frame: _Optional[_Union[ShardRequestFrame, _Mapping]] = ...) -> None: ...
+
+class ShardBatchRequest(_message.Message):
+    __slots__ = ("entries",)
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[ShardBatchEntry]
+    def __init__(self, entries: _Optional[_Iterable[_Union[ShardBatchEntry, _Mapping]]] = ...) -> None: ...
+
+class ShardBatchResponse(_message.Message):
+    __slots__ = ("frames",)
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    frames: _containers.RepeatedCompositeFieldContainer[ShardResponseFrame]
+    def __init__(self, frames: _Optional[_Iterable[_Union[ShardResponseFrame, _Mapping]]] = ...) -> None: ...

@@ -59,6 +59,11 @@ class ShardRuntimeStub:
                 request_serializer=inference__engine_dot_v1_dot_shard__runtime__pb2.ShardReleaseRequest.SerializeToString,
                 response_deserializer=inference__engine_dot_v1_dot_shard__runtime__pb2.ShardReleaseResponse.FromString,
                 _registered_method=True)
+        self.Batch = channel.stream_stream(
+                '/inference_engine.v1.ShardRuntime/Batch',
+                request_serializer=inference__engine_dot_v1_dot_shard__runtime__pb2.ShardBatchRequest.SerializeToString,
+                response_deserializer=inference__engine_dot_v1_dot_shard__runtime__pb2.ShardBatchResponse.FromString,
+                _registered_method=True)
 
 
 class ShardRuntimeServicer:
@@ -103,6 +108,17 @@ class ShardRuntimeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Batch(self, request_iterator, context):
+        """The forward blocks of many open sessions in one message each way (one per hop per iteration
+        of the route client's scheduler, not one per session). Each entry is admitted and run as if it
+        had come on its session's own stream (epoch, duplicate step, deadline, credit, payload checks,
+        in order with that stream's frames; a fail-closed error also ends that stream) and is answered
+        in the response at its index. Requests on one Batch stream are answered in order.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ShardRuntimeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -130,6 +146,11 @@ def add_ShardRuntimeServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=inference__engine_dot_v1_dot_shard__runtime__pb2.ShardReleaseRequest.FromString,
                     response_serializer=inference__engine_dot_v1_dot_shard__runtime__pb2.ShardReleaseResponse.SerializeToString,
+            ),
+            'Batch': grpc.stream_stream_rpc_method_handler(
+                    servicer.Batch,
+                    request_deserializer=inference__engine_dot_v1_dot_shard__runtime__pb2.ShardBatchRequest.FromString,
+                    response_serializer=inference__engine_dot_v1_dot_shard__runtime__pb2.ShardBatchResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -267,6 +288,33 @@ class ShardRuntime:
             '/inference_engine.v1.ShardRuntime/Release',
             inference__engine_dot_v1_dot_shard__runtime__pb2.ShardReleaseRequest.SerializeToString,
             inference__engine_dot_v1_dot_shard__runtime__pb2.ShardReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Batch(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/inference_engine.v1.ShardRuntime/Batch',
+            inference__engine_dot_v1_dot_shard__runtime__pb2.ShardBatchRequest.SerializeToString,
+            inference__engine_dot_v1_dot_shard__runtime__pb2.ShardBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

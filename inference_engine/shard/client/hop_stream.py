@@ -64,7 +64,7 @@ class HopStream:
         await self._write(open_frame(route_session_id, epoch, geometry))
         frame = await self._read(timeout_s)
         if frame.HasField("error"):
-            raise self._error(frame.error)
+            raise self.error_of(frame.error)
         a = frame.accepted
         got = (a.route_session_id, a.route_epoch, a.layer_start, a.layer_end)
         if not frame.HasField("accepted") or a.credits < 1 or \
@@ -107,14 +107,15 @@ class HopStream:
                 err = frame.error
                 if err.code == ShardErrorCode.FLOW_CONTROL_VIOLATION and err.retryable and err.idempotency_step == step:
                     return None
-                raise self._error(err)
+                raise self.error_of(err)
             if kind == "ack" and frame.ack.duplicate and frame.ack.idempotency_step == step:
                 raise MalformedShardOutput(f"{self.where} reports step {step} as a duplicate: it was never sent before")
             if kind == "accepted":
                 raise MalformedShardOutput(f"{self.where} sent a second SessionAccepted")
             # Other acks (answers to CancelSignals) carry nothing for this step.
 
-    def _error(self, err: pb.ShardError) -> RuntimeServiceError:
+    def error_of(self, err: pb.ShardError) -> RuntimeServiceError:
+        """The shard error an error frame of this worker stands for."""
         try:
             code = ShardErrorCode(err.code)
         except ValueError:  # a newer worker's code: treat as INTERNAL
@@ -160,7 +161,7 @@ class HopStream:
         while not self._frames.empty():
             item = self._frames.get_nowait()
             if item is not _STREAM_END and item.HasField("error"):
-                self._end = self._error(item.error)
+                self._end = self.error_of(item.error)
         self._frames.put_nowait(_STREAM_END)
         return type(self._end)(str(self._end))
 

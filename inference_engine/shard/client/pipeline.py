@@ -32,6 +32,7 @@ import numpy as np
 from inference_engine.errors import InvalidRequest, InvariantViolation, SessionNotFound
 from inference_engine.security.credentials import open_channel
 from inference_engine.security.settings import ClientSecurity
+from inference_engine.shard.client.batched_forward import BatchedForward
 from inference_engine.shard.client.hop_stream import HopStream
 from inference_engine.shard.client.kv_transfer import KvTransfer
 from inference_engine.shard.client.route_session import HopStats, RouteSession, checked_output
@@ -40,7 +41,6 @@ from inference_engine.shard.protocol.status_codes import error_of_rpc
 from inference_engine.shard.protocol.types import LayerRange, ShardCapabilities, ShardHealth
 from inference_engine.shard.protocol.wire import (
     CLIENT_CHANNEL_OPTIONS,
-    MAX_ROWS,
     capabilities_of,
     digest_frame,
     trim_frame,
@@ -51,7 +51,7 @@ from inference_engine.v1 import shard_runtime_pb2_grpc as pb_grpc
 from inference_engine.verifier.kv_cache import CacheGeometry
 
 
-class ShardPipeline(KvTransfer):
+class ShardPipeline(KvTransfer, BatchedForward):
     """A route of shard workers computing one model, for many sessions."""
 
     def __init__(self, addresses: Sequence[str], *, epoch: int = 1, step_timeout_s: float = 120.0,
@@ -75,6 +75,7 @@ class ShardPipeline(KvTransfer):
         self.channel_security = channel_security
         self._channels: list[grpc.aio.Channel] = []
         self._stubs: list[pb_grpc.ShardRuntimeStub] = []
+        self._batches = []  # each worker's Batch stream (forward_many), from `connect`
         self._caps: tuple[ShardCapabilities, ...] = ()
         self._sessions: dict[str, RouteSession] = {}
         self._stats = [[0, 0.0] for _ in self.addresses]  # calls, seconds per hop
@@ -122,6 +123,7 @@ class ShardPipeline(KvTransfer):
         if expected_start != head.num_layers:
             raise InvalidRequest(f"the route ends at layer {expected_start}; the model has {head.num_layers}")
         self._caps = caps
+        self._open_batches()
         return caps
 
     @property
@@ -235,13 +237,8 @@ class ShardPipeline(KvTransfer):
             any shard error a worker answered with (the session fails).
         """
         s = self._session(session_id)
-        block = [int(t) for t in tokens]
-        if not 1 <= len(block) <= MAX_ROWS:
-            raise InvalidRequest(f"forward takes 1..{MAX_ROWS} tokens, got {len(block)}")
-        vocab = self.vocab_size
-        bad = [t for t in block if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequest(f"token id {bad[0]} is out of range; allowed 0..{vocab - 1}")
+        block = self._block(tokens)
+
         def frame(i: int, data: np.ndarray | None, deadline: int) -> pb.ShardRequestFrame:
             return work_frame(session_id, s.epoch, s.step, s.position, block if i == 0 else None, data, all_logits,
                               deadline)
@@ -353,6 +350,7 @@ class ShardPipeline(KvTransfer):
         for s in self._sessions.values():
             self._close_hops(s)
         self._sessions.clear()
+        self._close_batches()
         for channel in self._channels:
             await channel.close()
         self._channels, self._stubs = [], []

@@ -1,8 +1,8 @@
 """RouteBackend: the target's layers on a route of shard workers, one RemoteExecutor per session.
 
-Blocks of a batch run concurrently on the route's own loop (one pipeline call per session;
-the engine thread waits for all of them together); each worker computes the blocks that
-arrive together in one forward (`worker/step_batcher.py`). A route session is replayed from the
+The blocks of a batch go through the route together: one Batch message per hop carries every
+session's block (`ShardPipeline.forward_many`), and each worker computes them in one forward
+(`worker/step_batcher.py`); a lone block, or a session being restored, takes its own stream. A route session is replayed from the
 session's token log when the route fails: when a call fails (a worker died, a stream
 broke), the executor waits for the route to answer again, opens the session at a newer
 route epoch, replays the log up to its position (exact: chunking does not change the
@@ -53,11 +53,32 @@ class RouteBackend(Backend):
         return RemoteExecutor(self, geometry, log)  # the K/V lives on the workers: nothing prepared here
 
     def forward(self, blocks: Sequence[Block], wait: bool = True) -> list[mx.array | BaseException]:
-        async def all_blocks() -> list[object]:
-            return await asyncio.gather(*(b.executor.forward_async(b.tokens, b.all_logits) for b in blocks),
-                                        return_exceptions=True)
+        return [r if isinstance(r, BaseException) else mx.array(r) for r in self.route.call(lambda: self._all(blocks))]
 
-        return [r if isinstance(r, BaseException) else mx.array(r) for r in self.route.call(all_blocks)]
+    async def _all(self, blocks: Sequence[Block]) -> list[object]:
+        """Each block's logits (or exception): the usable sessions' in one forward_many, then any
+        failed or restoring one through its own executor (which restores it and retries once)."""
+        executors: list[RemoteExecutor] = [b.executor for b in blocks]  # type: ignore[misc] - this backend's
+        out: list[object] = [None] * len(blocks)
+        together = [i for i, e in enumerate(executors) if not e.needs_replay]
+        if len(together) > 1:
+            try:
+                results: list[object] = await self.route.pipeline.forward_many(
+                    [(executors[i].session_id, blocks[i].tokens, blocks[i].all_logits) for i in together])
+            except RuntimeServiceError as exc:  # nothing was sent (the route is not connected): each alone
+                results = [exc] * len(together)
+            for i, r in zip(together, results):
+                if not isinstance(r, BaseException):
+                    executors[i].advanced(len(blocks[i].tokens))
+                    out[i] = r
+                elif isinstance(r, InvalidRequest):
+                    out[i] = r  # refused before sending: the session is intact
+        rest = [i for i in range(len(blocks)) if out[i] is None]
+        alone = await asyncio.gather(*(executors[i].forward_async(blocks[i].tokens, blocks[i].all_logits) for i in rest),
+                                     return_exceptions=True)
+        for i, r in zip(rest, alone):
+            out[i] = r
+        return out
 
 
 class RemoteExecutor(Executor):
@@ -84,6 +105,15 @@ class RemoteExecutor(Executor):
     @property
     def offset(self) -> int:
         return self._offset
+
+    @property
+    def needs_replay(self) -> bool:
+        """The workers' K/V may not match the log: the next call restores the session first."""
+        return self._needs_replay
+
+    def advanced(self, rows: int) -> None:
+        """A block of `rows` rows went through the route for this session (forward_many)."""
+        self._offset += rows
 
     async def forward_async(self, tokens: tuple[int, ...], all_logits: bool) -> np.ndarray:
         """The block through the route (on the route's loop), recovering once after a failure."""

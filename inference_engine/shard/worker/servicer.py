@@ -9,13 +9,13 @@ from typing import Any, Callable
 
 import grpc
 
-from inference_engine.errors import RuntimeServiceError
+from inference_engine.errors import InvalidRequest, RuntimeServiceError, SessionNotFound
 from inference_engine.security.auth_interceptor import token_interceptors
 from inference_engine.security.credentials import bind
 from inference_engine.security.settings import ServerSecurity
 from inference_engine.shard.protocol.errors import ShardUnavailable, code_of
 from inference_engine.shard.protocol.status_codes import grpc_status_of
-from inference_engine.shard.protocol.wire import CHANNEL_OPTIONS, capability_msg, check, health_msg
+from inference_engine.shard.protocol.wire import CHANNEL_OPTIONS, capability_msg, check, error_frame, frame_header, health_msg
 from inference_engine.shard.worker.engine import ShardEngine
 from inference_engine.shard.worker.engine_thread import EngineThread
 from inference_engine.shard.worker.route_table import RouteTable
@@ -73,6 +73,31 @@ class ShardRuntimeServicer(pb_grpc.ShardRuntimeServicer):
     async def Session(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
         stream = SessionStream(self.engine, self.thread, self.batcher, self.routes, context, self.max_credits, self.default_credits)
         await stream.serve()
+
+    async def Batch(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
+        """Each request's entries run as their sessions' own frames would; one response per request, in order."""
+        async for request in request_iterator:
+            answers = await asyncio.gather(*(self._batch_entry(e) for e in request.entries))
+            await context.write(pb.ShardBatchResponse(frames=answers))
+
+    async def _batch_entry(self, entry: pb.ShardBatchEntry) -> pb.ShardResponseFrame:
+        """The answer to one Batch entry: its session's, or why it has no live session here."""
+        frame = entry.frame
+        kind = frame.WhichOneof("frame")
+        step = getattr(getattr(frame, kind), "idempotency_step", 0) if kind in ("chunk", "decode") else 0
+        try:
+            if kind not in ("chunk", "decode"):
+                raise InvalidRequest(f"a Batch entry carries a chunk or decode frame, not {kind or 'nothing'}")
+            check("route_session_id#", len(entry.route_session_id))
+            stream = self.routes.live(entry.route_session_id, frame_header(frame).epoch)
+            if stream is None:
+                raise SessionNotFound(f"route session {entry.route_session_id!r} is not open here at route epoch "
+                                      f"{frame_header(frame).epoch}")
+        except Exception as exc:  # noqa: BLE001 - answered in the entry's place; the batch goes on
+            if not isinstance(exc, RuntimeServiceError):
+                log.exception("unexpected error routing a Batch entry")
+            return error_frame(exc, step, session_closed=True)
+        return await stream.submit(frame)
 
     @_mapped
     async def Cancel(self, request: pb.ShardCancelRequest, context: grpc.aio.ServicerContext) -> pb.ShardCancelResponse:

@@ -4,7 +4,8 @@ Three tasks share the stream: a reader admits frames (epoch, deadline, duplicate
 credit, payload checks) and answers rejections at once; an executor runs admitted work
 in order on the engine thread (prefill and decode blocks through the worker's StepBatcher:
 blocks of sessions waiting at once share one forward); the writer (the RPC's own task)
-sends every answer. A non-retryable error "fails closed": its error frame is the last one
+sends every answer. Work frames that come in a Batch request (`submit`) go through the same
+admission and the same in-order executor; their answers go back to the batch, not the stream. A non-retryable error "fails closed": its error frame is the last one
 written, the session's caches are released and the RPC ends with the matching status code.
 """
 
@@ -20,11 +21,12 @@ from typing import Coroutine
 
 import grpc
 
-from inference_engine.errors import InvalidRequest, RuntimeServiceError
+from inference_engine.errors import InvalidRequest, RuntimeServiceError, SessionNotFound
 from inference_engine.shard.protocol.errors import (
     DeadlineExpired,
     EpochStale,
     FlowControlViolation,
+    ShardUnavailable,
     WorkCancelled,
     code_of,
 )
@@ -72,6 +74,7 @@ class _Admitted:
     position: int  # trim/digest/K/V: the session position the frame expects
     trim_tokens: int  # trim: positions to drop
     kv: tuple[int, LayerKV] | None = None  # kv_import: target position and per-block K/V
+    reply: asyncio.Future | None = None  # a Batch entry's answer (None: the stream's outbox)
 
 
 class SessionStream:
@@ -96,6 +99,8 @@ class SessionStream:
         self._running = 0  # step on the engine now (0 = none)
         self._closing = False  # fail() or release() happened: execute nothing more
         self._failure: BaseException | None = None  # why the session failed closed
+        self._replies: dict[asyncio.Future, int] = {}  # Batch entries not answered yet -> their steps
+        self._serving = False  # SessionAccepted was sent: work frames may come (on the stream or in a Batch)
 
     # -- entry -----------------------------------------------------------------------
 
@@ -113,6 +118,7 @@ class SessionStream:
         fatal = None
         try:
             await self.context.write(pb.ShardResponseFrame(accepted=accepted))
+            self._serving = True
             tasks = [asyncio.create_task(self._read_loop()), asyncio.create_task(self._execute_loop())]
             fatal = await self._write_loop()
         finally:
@@ -148,6 +154,46 @@ class SessionStream:
             log.exception("unexpected error opening a shard session", exc_info=exc)
         await self.context.write(error_frame(exc, 0, session_closed=True))
         await self.context.abort(grpc_status_of(code_of(exc)), f"{code_of(exc).name}: {exc}")
+
+    def submit(self, frame: pb.ShardRequestFrame) -> asyncio.Future:
+        """Admit a chunk or decode frame of a Batch request; the future gets its answer frame.
+
+        Admission and execution are the stream's own (`_admit`, the executor, in order with the
+        frames of the stream); a frame that fails the session closed also ends the stream.
+        """
+        reply: asyncio.Future = asyncio.get_running_loop().create_future()
+        kind = frame.WhichOneof("frame")
+        step = getattr(getattr(frame, kind), "idempotency_step", 0) if kind else 0
+        self._replies[reply] = step
+        reply.add_done_callback(lambda f: self._replies.pop(f, None))
+        if self._closing:
+            self._answer(error_frame(self._ended(), step, session_closed=True), reply)
+            return reply
+        if not self._serving:  # its SessionOpen is still being answered
+            exc = SessionNotFound(f"route session {self.route_session_id!r} is not open yet")
+            self._answer(error_frame(exc, step, session_closed=False), reply)
+            return reply
+        try:
+            if kind not in ("chunk", "decode"):
+                raise InvalidRequest(f"a Batch entry carries a chunk or decode frame, not {kind or 'nothing'}")
+            self._admit(frame, reply)
+        except Exception as exc:  # noqa: BLE001 - as on the stream: a bad frame fails the session closed
+            if not isinstance(exc, RuntimeServiceError):
+                log.exception("unexpected error admitting a batched frame of session %s", self.key)
+            self.fail(exc, step)
+            self._answer(error_frame(exc, step, session_closed=True), reply)
+        return reply
+
+    def _answer(self, frame: pb.ShardResponseFrame, reply: asyncio.Future | None) -> None:
+        """Send an answer to where its frame came from: the stream, or a Batch entry."""
+        if reply is None:
+            self._outbox.put_nowait(frame)
+        elif not reply.done():
+            reply.set_result(frame)
+
+    def _ended(self) -> BaseException:
+        """Why work can no longer run on this session."""
+        return self._failure or ShardUnavailable(f"session {self.route_session_id!r} was released")
 
     # -- control from the route table (out-of-band Cancel / Release / supersede) ------
 
@@ -208,7 +254,7 @@ class SessionStream:
                 self.fail(exc, getattr(getattr(frame, kind), "idempotency_step", 0) if kind else 0)
                 return
 
-    def _admit(self, frame: pb.ShardRequestFrame) -> None:
+    def _admit(self, frame: pb.ShardRequestFrame, reply: asyncio.Future | None = None) -> None:
         kind = frame.WhichOneof("frame")
         if kind == "cancel":
             self._on_cancel_signal(frame.cancel)
@@ -222,12 +268,12 @@ class SessionStream:
         if h.route_session_id and h.route_session_id != self.route_session_id:
             raise InvalidRequest(f"chunk for session {h.route_session_id!r} on the stream of {self.route_session_id!r}")
         if h.step in self._steps or h.step <= self._step_floor:  # a resend: answer it, never run it twice
-            self._outbox.put_nowait(pb.ShardResponseFrame(ack=pb.ShardAck(idempotency_step=h.step, duplicate=True)))
+            self._answer(pb.ShardResponseFrame(ack=pb.ShardAck(idempotency_step=h.step, duplicate=True)), reply)
             return
         self._check_deadline(h.deadline_ns)
         if self.credits == 0:
             exc = FlowControlViolation(f"step {h.step} sent with no credit left; resend it after a FlowControl grant")
-            self._outbox.put_nowait(error_frame(exc, h.step, session_closed=False))
+            self._answer(error_frame(exc, h.step, session_closed=False), reply)
             return
         work = work_of(frame) if kind in ("chunk", "decode") else None
         position = getattr(frame, kind).position
@@ -236,7 +282,7 @@ class SessionStream:
         self.credits -= 1
         self._remember_step(h.step)
         self._queued.add(h.step)
-        self._inbox.put_nowait(_Admitted(h, work, position, trim_tokens, kv))
+        self._inbox.put_nowait(_Admitted(h, work, position, trim_tokens, kv, reply))
 
     def _on_cancel_signal(self, msg: pb.CancelSignal) -> None:
         if msg.route_epoch != self.epoch:
@@ -261,7 +307,7 @@ class SessionStream:
             if step in self._cancelled:
                 self._cancelled.discard(step)
                 exc = WorkCancelled(f"work {step} was cancelled before it started")
-                self._outbox.put_nowait(error_frame(exc, step, session_closed=False, flow=self._grant()))
+                self._answer(error_frame(exc, step, session_closed=False, flow=self._grant()), item.reply)
                 continue
             self._running = step
             try:
@@ -270,17 +316,19 @@ class SessionStream:
             except WorkCancelled as exc:
                 if self._closing:
                     return
-                self._outbox.put_nowait(error_frame(exc, step, session_closed=False, flow=self._grant()))
+                self._answer(error_frame(exc, step, session_closed=False, flow=self._grant()), item.reply)
                 continue
             except Exception as exc:  # noqa: BLE001 - engine failures fail the session closed
                 if not isinstance(exc, RuntimeServiceError):
                     log.exception("unexpected engine error in session %s step %d", self.key, step)
                 self.fail(exc, step)
+                if item.reply is not None:
+                    self._answer(error_frame(exc, step, session_closed=True), item.reply)
                 return
             finally:
                 self._running = 0
                 self._cancelled.discard(step)
-            self._outbox.put_nowait(frame)
+            self._answer(frame, item.reply)
 
     async def _execute(self, item: _Admitted) -> pb.ShardResponseFrame:
         step, kind, position = item.header.step, item.header.kind, item.position
@@ -331,6 +379,8 @@ class SessionStream:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        for reply, step in list(self._replies.items()):  # Batch entries that will never run
+            self._answer(error_frame(self._ended(), step, session_closed=True), reply)
         await self._release()
 
     async def _release(self) -> None:
