@@ -162,11 +162,12 @@ async def test_spawned_worker_killed_mid_generate_continues_exactly(real_model_p
         address = wait_ready(server)
         pids = _server_log_pids(log_path)
         async with grpc.aio.insecure_channel(address) as channel:
-            stream, _, info = await _script(pb_grpc.RuntimeServiceStub(channel),
-                                            kill=lambda: _kill(pids["10:20"]))
+            stub = pb_grpc.RuntimeServiceStub(channel)  # two sessions at once: their blocks share Batch messages
+            (stream, _, info), (other, _, other_info) = await asyncio.gather(
+                _script(stub, kill=lambda: _kill(pids["10:20"])), _script(stub))
         assert "shard worker 10:20" in log_path.read_text().split("exited with status -9; restarting it")[0]
-        assert stream == single_process[0]
-        assert info.state_digest == single_process[1]
+        assert stream == other == single_process[0]
+        assert info.state_digest == other_info.state_digest == single_process[1]
         server.send_signal(signal.SIGTERM)
         assert server.wait(timeout=60) == 0
         after = _server_log_pids(log_path)
