@@ -102,6 +102,7 @@ class _Scripted(pb_grpc.ShardRuntimeServicer):
                     "wrong-step": _result(step + 1, position, rows, output=_logits(rows)),
                     "dup-ack": pb.ShardResponseFrame(ack=pb.ShardAck(idempotency_step=step, duplicate=True)),
                     "double-accept": pb.ShardResponseFrame(accepted=pb.SessionAccepted()),
+                    "cancel-ack": pb.ShardResponseFrame(ack=pb.ShardAck(idempotency_step=step, cancelled=True)),
                     "unknown-code": pb.ShardResponseFrame(error=pb.ShardError(
                         code=99, message="from the future", idempotency_step=step, session_closed=True)),
                     "refuse-once": pb.ShardResponseFrame(error=pb.ShardError(  # every entry: resent on its stream
@@ -204,10 +205,11 @@ async def test_a_stream_that_ends_is_unavailable():
 
 
 @pytest.mark.parametrize("mode,error,match", [
-    ("wrong-step", MalformedShardOutput, "answered step 2 to a Batch entry of step 1"),
+    ("wrong-step", MalformedShardOutput, "answered step 2 while step 1 was in flight"),
     ("dup-ack", MalformedShardOutput, "as a duplicate"),
-    ("double-accept", MalformedShardOutput, "answered a Batch entry with accepted"),
+    ("double-accept", MalformedShardOutput, "second SessionAccepted"),
     ("unknown-code", ShardError, "from the future"),
+    ("cancel-ack", MalformedShardOutput, "answered a Batch entry with ack"),
     ("short-batch", MalformedShardOutput, "answered 1 frames to a Batch request of 2 entries"),
     ("eof", ShardUnavailable, "ended the Batch stream"),
 ])

@@ -22,9 +22,9 @@ import numpy as np
 
 from inference_engine.errors import InvalidRequest, RuntimeServiceError
 from inference_engine.shard.client.batch_stream import BatchStream
-from inference_engine.shard.client.hop_stream import HopStream
+from inference_engine.shard.client.hop_stream import REFUSED, UNRELATED, HopStream
 from inference_engine.shard.client.route_session import RouteSession, checked_output
-from inference_engine.shard.protocol.errors import MalformedShardOutput, ShardErrorCode
+from inference_engine.shard.protocol.errors import MalformedShardOutput
 from inference_engine.shard.protocol.types import ShardCapabilities
 from inference_engine.shard.protocol.wire import MAX_ROWS, work_frame
 from inference_engine.v1 import shard_runtime_pb2 as pb
@@ -136,22 +136,12 @@ class BatchedForward:
     async def _result(hop: HopStream, answer: pb.ShardResponseFrame, frame: pb.ShardRequestFrame,
                       step: int) -> pb.ShardStepResult:
         """The entry's result, as `HopStream.request` would have returned it (a refusal for lack of
-        credit is resent on the session's own stream)."""
+        credit is sent again on the session's own stream)."""
         hop.credits -= 1
-        if answer.HasField("flow"):
-            hop.credits += answer.flow.credits_granted
-        kind = answer.WhichOneof("frame")
-        if kind == "result":
-            if answer.result.idempotency_step != step:
-                raise MalformedShardOutput(f"{hop.where} answered step {answer.result.idempotency_step} to a "
-                                           f"Batch entry of step {step}")
-            return answer.result
-        if kind == "error":
-            err = answer.error
-            if err.code == ShardErrorCode.FLOW_CONTROL_VIOLATION and err.retryable and err.idempotency_step == step:
-                hop.credits += 1  # the refused frame took no credit
-                return await hop.request(frame, step)
-            raise hop.error_of(err)
-        if kind == "ack" and answer.ack.duplicate:
-            raise MalformedShardOutput(f"{hop.where} reports step {step} as a duplicate: it was never sent before")
-        raise MalformedShardOutput(f"{hop.where} answered a Batch entry with {kind or 'nothing'}")
+        got = hop.answer_of(answer, step)
+        if got is REFUSED:
+            hop.credits += 1  # the refused frame took no credit
+            return await hop.request(frame, step)
+        if got is UNRELATED:
+            raise MalformedShardOutput(f"{hop.where} answered a Batch entry with {answer.WhichOneof('frame') or 'nothing'}")
+        return got  # type: ignore[return-value]

@@ -31,6 +31,8 @@ from inference_engine.verifier.kv_cache import CacheGeometry
 FLOW_RETRIES = 6  # resends of one frame after FLOW_CONTROL_VIOLATION
 FLOW_BACKOFF_S = 0.01  # first wait before a resend (doubles each time)
 _STREAM_END = object()  # queued by the pump after the stream's last frame
+REFUSED = object()  # answer_of: the worker refused the frame for lack of credit (send it again)
+UNRELATED = object()  # answer_of: the frame says nothing of this step
 
 
 class HopStream:
@@ -94,25 +96,36 @@ class HopStream:
     async def _answer(self, step: int) -> pb.ShardStepResult | None:
         """Read until the answer for `step`: its result, or None for a flow-control refusal."""
         while True:
-            frame = await self._read()
-            if frame.HasField("flow"):
-                self.credits += frame.flow.credits_granted
-            kind = frame.WhichOneof("frame")
-            if kind == "result":
-                if frame.result.idempotency_step != step:
-                    raise MalformedShardOutput(f"{self.where} answered step {frame.result.idempotency_step} "
-                                               f"while step {step} was in flight")
-                return frame.result
-            if kind == "error":
-                err = frame.error
-                if err.code == ShardErrorCode.FLOW_CONTROL_VIOLATION and err.retryable and err.idempotency_step == step:
-                    return None
-                raise self.error_of(err)
-            if kind == "ack" and frame.ack.duplicate and frame.ack.idempotency_step == step:
-                raise MalformedShardOutput(f"{self.where} reports step {step} as a duplicate: it was never sent before")
-            if kind == "accepted":
-                raise MalformedShardOutput(f"{self.where} sent a second SessionAccepted")
-            # Other acks (answers to CancelSignals) carry nothing for this step.
+            got = self.answer_of(await self._read(), step)
+            if got is not UNRELATED:
+                return None if got is REFUSED else got  # type: ignore[return-value]
+
+    def answer_of(self, frame: pb.ShardResponseFrame, step: int) -> pb.ShardStepResult | object:
+        """What `frame` says of work step `step` (its FlowControl grant applied): the step's result,
+        REFUSED (no credit: send it again), or UNRELATED (an ack of a CancelSignal).
+
+        Raises:
+            The mapped shard error for an error answer; MalformedShardOutput for a result of
+            another step, a duplicate's ack for a step never sent before, or a second acceptance.
+        """
+        if frame.HasField("flow"):
+            self.credits += frame.flow.credits_granted
+        kind = frame.WhichOneof("frame")
+        if kind == "result":
+            if frame.result.idempotency_step != step:
+                raise MalformedShardOutput(f"{self.where} answered step {frame.result.idempotency_step} "
+                                           f"while step {step} was in flight")
+            return frame.result
+        if kind == "error":
+            err = frame.error
+            if err.code == ShardErrorCode.FLOW_CONTROL_VIOLATION and err.retryable and err.idempotency_step == step:
+                return REFUSED
+            raise self.error_of(err)
+        if kind == "ack" and frame.ack.duplicate and frame.ack.idempotency_step == step:
+            raise MalformedShardOutput(f"{self.where} reports step {step} as a duplicate: it was never sent before")
+        if kind == "accepted":
+            raise MalformedShardOutput(f"{self.where} sent a second SessionAccepted")
+        return UNRELATED  # acks of CancelSignals carry nothing for this step
 
     def error_of(self, err: pb.ShardError) -> RuntimeServiceError:
         """The shard error an error frame of this worker stands for."""
