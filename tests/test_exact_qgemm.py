@@ -147,7 +147,8 @@ def test_concurrent_callers_get_the_same_bits(qgemm):
 
 @pytest.mark.parametrize("env", ["EXACT_GEMM_NO_AVX512", "EXACT_GEMM_PORTABLE"])
 def test_every_instruction_set_gives_the_same_bits(lib, qgemm, gemm, env, tmp_path):
-    """A process held off AVX-512 (AVX2 + FMA tiles) or off every vector extension (portable C, libm's fmaf lane by
+    """A process held off AVX-512 (AVX2 + FMA tiles; AVX-512 runs q4 calls and fp32 calls of more than 32 rows) or off
+    every vector extension (portable C, libm's fmaf lane by
     lane: a CPU without AVX2/FMA) computes the very bits this one does, quantized and fp32, both layouts. Where the
     CPU lacks the extension, both runs take the same path."""
     import os
@@ -159,8 +160,8 @@ def test_every_instruction_set_gives_the_same_bits(lib, qgemm, gemm, env, tmp_pa
              for fmt, k, n in ((Q4_1, 576, 1539), (Q4_1, 1536, 577), (Q8_0, 576, 1027))  # odd n: a 1..3-column tail
              for m in (1, 3, 8, 12, 13, 23, 64)]
     cases += [(trans, rng.standard_normal((m, k), dtype=np.float32), rng.standard_normal(shape, dtype=np.float32))
-              for trans, k, shape in (("nt", 576, (963, 576)), ("nn", 67, (67, 61)))  # nn: attention's w @ v
-              for m in (1, 5, 64)]
+              for trans, k, shape in (("nt", 576, (963, 576)), ("nt", 67, (37, 67)), ("nn", 67, (67, 61)))  # nn: w @ v
+              for m in (1, 5, 13, 64)]
     for i, (fmt, x, w) in enumerate(cases):
         np.save(tmp_path / f"x{i}.npy", x)
         np.save(tmp_path / f"b{i}.npy", w)
