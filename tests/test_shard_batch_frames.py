@@ -175,6 +175,22 @@ async def test_an_entry_whose_session_is_released_meanwhile_is_answered_not_lost
         assert isinstance(got[0], (np.ndarray, Exception))
 
 
+async def test_a_batch_cancelled_midway_fails_its_sessions(tiny):
+    async with _route(tiny) as (p, _, tail):
+        await _open(p, "a", "b", "c")
+        tail.inject(FaultConfig(delay_s=0.3))
+        batch = asyncio.create_task(p.forward_many([("a", TOKENS[:1], True), ("b", TOKENS[1:2], True)]))
+        await asyncio.sleep(0.1)  # the head answered; the tail is computing
+        batch.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await batch
+        tail.inject(FaultConfig())
+        for name in ("a", "b"):  # where they stand on the workers is unknown: they must be restored
+            with pytest.raises(InvariantViolation, match="replay its tokens"):
+                await p.forward(name, TOKENS[2:3])
+        assert isinstance(await p.forward("c", TOKENS[2:3]), np.ndarray)  # not in the batch: untouched
+
+
 async def test_an_empty_batch_gets_an_empty_answer(tiny):
     async with _route(tiny) as (_, stub, _):
         call = stub.Batch()

@@ -92,31 +92,41 @@ class BatchedForward:
                 s.step += 1
             deadline = time.time_ns() + int(self.step_timeout_s * 1e9)
             data: dict[int, np.ndarray | None] = dict.fromkeys(live)
-            for hop in range(len(self._batches)):
-                if not live:
-                    break
-                started = time.perf_counter()
-                frames = {i: work_frame(s.session_id, s.epoch, s.step, s.position, block if hop == 0 else None, data[i],
-                                        all_logits, deadline) for i, (s, block, all_logits) in live.items()}
-                try:
-                    answers = await self._batches[hop].request(
-                        [pb.ShardBatchEntry(route_session_id=live[i][0].session_id, frame=frames[i]) for i in live])
-                except RuntimeServiceError as exc:
-                    for i in list(live):
-                        self._fail(live.pop(i)[0], exc, out, i)
-                    break
-                for i, answer in zip(list(live), answers):
-                    s, block, all_logits = live[i]
-                    try:
-                        result = await self._result(s.hops[hop], answer, frames[i], s.step)
-                        data[i] = checked_output(s.hops[hop], result, s.position, len(block), all_logits)
-                    except BaseException as exc:  # noqa: BLE001 - this session's failure, not the batch's
-                        self._fail(live.pop(i)[0], exc, out, i)
-                self._count(hop, started)
+            try:
+                for hop in range(len(self._batches)):
+                    if live:
+                        await self._hop(hop, live, data, out, deadline)
+            except BaseException as exc:  # cancelled midway: where each session stands is unknown
+                for i in list(live):
+                    self._break(live.pop(i)[0], exc)
+                raise
             for i, (s, block, _) in live.items():
                 s.position += len(block)
                 out[i] = data[i]
         return out  # type: ignore[return-value] - every entry is set
+
+    async def _hop(self, hop: int, live: dict[int, tuple[RouteSession, list[int], bool]],
+                   data: dict[int, np.ndarray | None], out: list, deadline: int) -> None:
+        """Every live session's frame to worker `hop` in one Batch request; their checked outputs into
+        `data`; a session whose entry failed leaves `live` (failed, its exception in `out`)."""
+        started = time.perf_counter()
+        frames = {i: work_frame(s.session_id, s.epoch, s.step, s.position, block if hop == 0 else None, data[i],
+                                all_logits, deadline) for i, (s, block, all_logits) in live.items()}
+        try:
+            answers = await self._batches[hop].request(
+                [pb.ShardBatchEntry(route_session_id=live[i][0].session_id, frame=frames[i]) for i in live])
+        except RuntimeServiceError as exc:
+            for i in list(live):
+                self._fail(live.pop(i)[0], exc, out, i)
+            return
+        for i, answer in zip(list(live), answers):
+            s, block, all_logits = live[i]
+            try:
+                result = await self._result(s.hops[hop], answer, frames[i], s.step)
+                data[i] = checked_output(s.hops[hop], result, s.position, len(block), all_logits)
+            except Exception as exc:  # noqa: BLE001 - this session's failure, not the batch's
+                self._fail(live.pop(i)[0], exc, out, i)
+        self._count(hop, started)
 
     def _block(self, tokens: Sequence[int]) -> list[int]:
         """`forward`'s checks of one request's tokens (raises InvalidRequest; nothing is sent)."""
