@@ -37,12 +37,22 @@ async def _digest_of(stub, tokens: list[int]) -> str:
     return digest
 
 
+async def _streaming(stub):
+    """A Generate of another session, streaming: an append runs in slices beside it, so it is still
+    running 0.15 s later (alone, the tiny model can finish LONG sooner). Cancel it when done."""
+    stream = stub.Generate(pb.GenerateRequest(session_id=await _session(stub), max_new_tokens=1000, ignore_eos=True))
+    await stream.read()
+    return stream
+
+
 async def test_timed_out_append_leaves_the_history_as_before(tiny_engine):
     async with running_server(tiny_engine) as (stub, _):
         sid = await _session(stub)
         before = await _info(stub, sid)
+        other = await _streaming(stub)
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await stub.AppendTokens(pb.AppendTokensRequest(session_id=sid, tokens=LONG), timeout=0.15)
+        other.cancel()
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         after = await _info(stub, sid)  # waits for the abandoned append to be undone
         assert (after.history_length, after.state_digest) == (before.history_length, before.state_digest)
@@ -55,11 +65,13 @@ async def test_cancelled_append_stops_and_changes_nothing(tiny_engine):
     async with running_server(tiny_engine) as (stub, _):
         sid = await _session(stub)
         before = await _info(stub, sid)
+        other = await _streaming(stub)
         call = stub.AppendTokens(pb.AppendTokensRequest(session_id=sid, tokens=LONG))
         await asyncio.sleep(0.05)
         call.cancel()
         with pytest.raises(asyncio.CancelledError):
             await call
+        other.cancel()
         after = await _info(stub, sid)
         assert (after.history_length, after.state_digest) == (before.history_length, before.state_digest)
 
