@@ -346,6 +346,19 @@ Q512 static void dequantize_pairs_avx512(const struct job *j, int n0, float *out
         dequantize_pairs(j, n0, out, GGML_Q8_0);
 }
 
+/* Columns from n in groups of 4 while 4 are left: `fill` puts 4 weight rows into L1 as column pairs
+ * (dequantize_pairs' layout), then every 8-row group of A runs ptile over them. Returns the first
+ * column not computed. */
+Q512 static int pair_columns(const struct job *j, int n, int n1, void (*fill)(const struct job *, int, float *)) {
+    float *pairs = dequant_scratch(4 * (size_t)j->k);
+    for (; n + 4 <= n1; n += 4) {
+        fill(j, n, pairs);
+        for (int i = 0; i < j->m; i += 8)
+            ptile_rows_avx512(j, pairs, i, j->m - i < 8 ? j->m - i : 8, n);
+    }
+    return n;
+}
+
 /* fp32 weight rows n0 .. n0 + 3 copied into `out` in dequantize_pairs' layout (two column pairs). */
 Q512 static void pack_pairs(const struct job *j, int n0, float *out) {
     const int groups = j->k / 8;
@@ -367,14 +380,8 @@ Q512 static void pack_pairs(const struct job *j, int n0, float *out) {
  * rows, AVX2 -> this, 29-35 -> 37-39 / 55-60 -> 56-68 / 119-131 -> 105-115 ms). */
 Q512 static void run_nt_avx512(const struct job *j, int n0, int n1) {
     int n = n0;
-    if (j->m > 32 && j->k % 8 == 0 && j->alpha == 1.0f && j->beta == 0.0f) {
-        float *pairs = dequant_scratch(4 * (size_t)j->k);
-        for (; n + 4 <= n1; n += 4) {
-            pack_pairs(j, n, pairs);
-            for (int i = 0; i < j->m; i += 8)
-                ptile_rows_avx512(j, pairs, i, j->m - i < 8 ? j->m - i : 8, n);
-        }
-    }
+    if (j->m > 32 && j->k % 8 == 0 && j->alpha == 1.0f && j->beta == 0.0f)
+        n = pair_columns(j, n, n1, pack_pairs);
     if (n < n1)
         run_nt_avx2(j, n, n1);
 }
@@ -385,14 +392,8 @@ Q512 static void run_q_avx512(const struct job *j, int n0, int n1) {
         for (; n + 4 <= n1; n += 4)
             for (int i = 0; i < j->m; i += 8)
                 qtile_rows_avx512(j, i, j->m - i < 8 ? j->m - i : 8, n);
-    else { /* more rows (prefill): 4 weight rows dequantized once into L1, then every 8-row group */
-        float *pairs = dequant_scratch(4 * (size_t)j->k);
-        for (; n + 4 <= n1; n += 4) {
-            dequantize_pairs_avx512(j, n, pairs);
-            for (int i = 0; i < j->m; i += 8)
-                ptile_rows_avx512(j, pairs, i, j->m - i < 8 ? j->m - i : 8, n);
-        }
-    }
+    else /* more rows (prefill): 4 weight rows dequantized once into L1, then every 8-row group */
+        n = pair_columns(j, n, n1, dequantize_pairs_avx512);
     if (n < n1)
         run_q_avx2(j, n, n1); /* the last columns */
 }
