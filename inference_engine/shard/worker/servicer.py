@@ -89,10 +89,10 @@ class ShardRuntimeServicer(pb_grpc.ShardRuntimeServicer):
             if kind not in ("chunk", "decode"):
                 raise InvalidRequest(f"a Batch entry carries a chunk or decode frame, not {kind or 'nothing'}")
             check("route_session_id#", len(entry.route_session_id))
-            stream = self.routes.live(entry.route_session_id, frame_header(frame).epoch)
+            epoch = frame_header(frame).epoch
+            stream = self.routes.live(entry.route_session_id, epoch)
             if stream is None:
-                raise SessionNotFound(f"route session {entry.route_session_id!r} is not open here at route epoch "
-                                      f"{frame_header(frame).epoch}")
+                raise SessionNotFound(f"route session {entry.route_session_id!r} is not open here at route epoch {epoch}")
         except Exception as exc:  # noqa: BLE001 - answered in the entry's place; the batch goes on
             if not isinstance(exc, RuntimeServiceError):
                 log.exception("unexpected error routing a Batch entry")

@@ -5,8 +5,8 @@ credit, payload checks) and answers rejections at once; an executor runs admitte
 in order on the engine thread (prefill and decode blocks through the worker's StepBatcher:
 blocks of sessions waiting at once share one forward); the writer (the RPC's own task)
 sends every answer. Work frames that come in a Batch request (`submit`) go through the same
-admission and the same in-order executor; their answers go back to the batch, not the stream. A non-retryable error "fails closed": its error frame is the last one
-written, the session's caches are released and the RPC ends with the matching status code.
+admission and the same in-order executor; their answers go back to the batch, not the stream.
+A non-retryable error "fails closed": its error frame is the last one written, the session's caches are released and the RPC ends with the matching status code.
 """
 
 from __future__ import annotations
@@ -156,7 +156,8 @@ class SessionStream:
         await self.context.abort(grpc_status_of(code_of(exc)), f"{code_of(exc).name}: {exc}")
 
     def submit(self, frame: pb.ShardRequestFrame) -> asyncio.Future:
-        """Admit a chunk or decode frame of a Batch request; the future gets its answer frame.
+        """Admit a chunk or decode frame of a Batch request (the servicer checked the kind); the
+        future gets its answer frame.
 
         Admission and execution are the stream's own (`_admit`, the executor, in order with the
         frames of the stream); a frame that fails the session closed also ends the stream.
@@ -174,8 +175,6 @@ class SessionStream:
             self._answer(error_frame(exc, step, session_closed=False), reply)
             return reply
         try:
-            if kind not in ("chunk", "decode"):
-                raise InvalidRequest(f"a Batch entry carries a chunk or decode frame, not {kind or 'nothing'}")
             self._admit(frame, reply)
         except Exception as exc:  # noqa: BLE001 - as on the stream: a bad frame fails the session closed
             if not isinstance(exc, RuntimeServiceError):
