@@ -5,6 +5,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -124,6 +125,9 @@ async def test_generate_and_chat_against_a_server(real_engine):
                                   "--stop", " is", "--max-new-tokens", "8", "--stats", "--temperature", "0.5",
                                   "--seed", "3")
         assert rc == 0 and out.endswith("\n") and " is" not in out and "STOP_STRING" in err and "seed 3" in err
+        # --stats times what the user waited for: the turn's append, then the first token after it
+        waited = re.search(r"first token (\d+) ms \(prompt appended in (\d+) ms\)", err)
+        assert waited is not None and int(waited[1]) >= int(waited[2]) > 0, err
         rc, out, err = await _cli("generate", "--target", target, "--prompt", "hi", "--temperature", "200")
         assert rc == 1 and "error: INVALID_ARGUMENT: GenerateRequest.temperature = 200.0" in err
         rc, out, err = await _cli("chat", "--target", target, "--max-new-tokens", "16", "--system", "Be brief.",

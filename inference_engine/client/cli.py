@@ -10,7 +10,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Callable, TextIO
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator, TextIO
 
 import grpc
 
@@ -45,7 +47,8 @@ def add_client_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None, help="sampling seed (default: the server picks one)")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--mode", choices=sorted(MODES), default="plain", help="speculative decoding mode")
-    parser.add_argument("--stats", action="store_true", help="print usage (tokens, TTFT, tok/s) to stderr")
+    parser.add_argument("--stats", action="store_true",
+                        help="print usage to stderr (tokens, time to first token from the request, tok/s)")
 
 
 def add_client_commands(sub: argparse._SubParsersAction) -> None:
@@ -73,11 +76,34 @@ def settings_from_args(args: argparse.Namespace) -> GenerateSettings:
     )
 
 
-def _usage_line(last: pb.GenerateResponse) -> str:
+@dataclass
+class ReplyClock:
+    """What the user waited for, timed here: from sending the turn (its AppendTokens) to the
+    reply's first token, and how much of that the append took. The server's own usage times
+    the Generate call alone, which starts after the prompt is already in the cache."""
+
+    start: float = field(default_factory=time.perf_counter)  # the turn was sent
+    appended: float | None = None  # its AppendTokens returned
+    first_token: float | None = None  # the first message carrying tokens arrived
+
+    def mark_appended(self) -> None:
+        self.appended = time.perf_counter()
+
+    def watch(self, stream: Iterable[pb.GenerateResponse]) -> Iterator[pb.GenerateResponse]:
+        """The stream's messages, noting when the first token arrives."""
+        for msg in stream:
+            if msg.tokens and self.first_token is None:
+                self.first_token = time.perf_counter()
+            yield msg
+
+
+def _usage_line(last: pb.GenerateResponse, clock: ReplyClock) -> str:
     u = last.usage
+    ms = lambda t: f"{(t - clock.start) * 1000:.0f} ms"  # noqa: E731 - since the turn was sent
+    first = f"first token {ms(clock.first_token)}" if clock.first_token is not None else "no token"
+    append = f" (prompt appended in {ms(clock.appended)})" if clock.appended is not None else ""
     return (f"[{u.generated_tokens} tokens, {pb.StopReason.Name(last.stop_reason).removeprefix('STOP_REASON_')}, "
-            f"prompt {u.prompt_tokens}, TTFT {u.time_to_first_token_ms:.0f} ms, {u.tokens_per_second:.1f} tok/s, "
-            f"seed {last.seed}]")
+            f"prompt {u.prompt_tokens}, {first}{append}, {u.tokens_per_second:.1f} tok/s, seed {last.seed}]")
 
 
 def stream_reply(stream, out: TextIO) -> pb.GenerateResponse:
@@ -96,12 +122,14 @@ def run_generate(args: argparse.Namespace, client: RuntimeClient, out: TextIO, e
     settings = settings_from_args(args)
     sid = client.create_session()
     try:
+        clock = ReplyClock()
         if args.raw:
             appended = client.append_text(sid, args.prompt)
         else:
             turn = ([("system", args.system)] if args.system else []) + [("user", args.prompt)]
             appended = client.append_chat(sid, turn)
-        stream = client.generate(sid, settings)
+        clock.mark_appended()
+        stream = clock.watch(client.generate(sid, settings))
         if not args.json:
             last = stream_reply(stream, out)
             out.write("\n")
@@ -123,7 +151,7 @@ def run_generate(args: argparse.Namespace, client: RuntimeClient, out: TextIO, e
                                       for m in msgs for lp in m.logprobs]
             out.write(json.dumps(result, ensure_ascii=False) + "\n")
         if args.stats:
-            err.write(_usage_line(last) + "\n")
+            err.write(_usage_line(last, clock) + "\n")
     finally:
         client.close_session(sid)
     return 0
@@ -154,6 +182,7 @@ def run_chat(args: argparse.Namespace, client: RuntimeClient, info: pb.GetModelI
                 err.write("[new conversation]\n")
                 continue
             turn = ([("system", args.system)] if args.system and not opened else []) + [("user", text)]
+            clock = ReplyClock()
             try:
                 client.append_chat(sid, turn)
             except grpc.RpcError as exc:
@@ -163,9 +192,10 @@ def run_chat(args: argparse.Namespace, client: RuntimeClient, info: pb.GetModelI
                 sid = client.create_session()
                 client.append_chat(sid, ([("system", args.system)] if args.system else []) + [("user", text)])
             opened = True
+            clock.mark_appended()
             stream = client.generate(sid, settings)
             try:
-                last = stream_reply(stream, out)
+                last = stream_reply(clock.watch(stream), out)
             except KeyboardInterrupt:
                 stream.cancel()
                 out.write("\n")
@@ -173,7 +203,7 @@ def run_chat(args: argparse.Namespace, client: RuntimeClient, info: pb.GetModelI
                 continue
             out.write("\n")
             if args.stats:
-                err.write(_usage_line(last) + "\n")
+                err.write(_usage_line(last, clock) + "\n")
     except KeyboardInterrupt:
         out.write("\n")
         return 0
