@@ -92,7 +92,12 @@ class Runtime:
         if self._streams:
             await asyncio.wait(list(self._streams), timeout=margin)
 
-    def _check_serving(self) -> None:
+    def check_serving(self) -> None:
+        """Refuse a call that would start something new (a session, an append, a stream) while draining.
+
+        Raises:
+            EngineUnavailable: the server is shutting down.
+        """
         if self.is_draining:
             raise EngineUnavailable("the server is shutting down; retry against a live server")
 
@@ -117,7 +122,7 @@ class Runtime:
             PoolExhausted: no slab is free.
             EngineUnavailable: the server is shutting down.
         """
-        self._check_serving()
+        self.check_serving()
         sink = p.sink or self.config.default_sink
         window = p.window or self.config.default_window
         # The slab is held while the session is built (its K/V prepared off the engine thread, then
@@ -147,7 +152,7 @@ class Runtime:
             SessionNotFound: unknown, or closed before the append completed (nothing appended).
             SessionBusy, InvariantViolation.
         """
-        self._check_serving()
+        self.check_serving()
         session = self.store.get(p.session_id, p.owner)
         session.acquire("AppendTokens")
         try:
@@ -201,7 +206,7 @@ class Runtime:
             SessionNotFound, SessionBusy, InvariantViolation (no tokens appended yet, or
             a draft-model mode on a server without a draft model).
         """
-        self._check_serving()
+        self.check_serving()
         session = self.store.get(p.session_id, p.owner)
         if p.mode is DecodeMode.SPECULATIVE_DRAFT and not self.engine.has_draft_model:
             raise InvariantViolation(

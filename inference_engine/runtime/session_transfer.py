@@ -162,7 +162,9 @@ class SessionTransfer:
                 mode, or a sink/window over this server's limits.
             InvalidRequest: no such file (or another identity's).
             PoolExhausted: no slab is free.
+            EngineUnavailable: the server is shutting down (a session made now would not outlive it).
         """
+        self.runtime.check_serving()
         self.store.reserve()  # fail fast before reading anything
         data = p.data if not p.file else await asyncio.to_thread(resolve(self._folder(), p.file).read_bytes)
         snap = await asyncio.to_thread(decode, data)
@@ -178,7 +180,9 @@ class SessionTransfer:
 
         Raises:
             SessionNotFound: unknown, closed or another identity's. PoolExhausted: no slab is free.
+            EngineUnavailable: the server is shutting down.
         """
+        self.runtime.check_serving()
         source = self.store.get(session_id, owner)
         self.store.reserve()
         source.touch()
