@@ -22,6 +22,7 @@ CASES = [
     ("AppendTokens", CORRUPT, False),
     ("CloseSession", b"\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff", False),
     ("Generate", BAD_UTF8_SESSION, True),
+    ("RestoreSession", b"\xff\xff\xff", "client"),  # a client stream: the servicer meets it mid-iteration
 ]
 
 
@@ -30,9 +31,13 @@ async def test_raw_bytes_are_invalid_argument(tiny_engine, caplog, method, paylo
     caplog.set_level(logging.DEBUG)
     async with serving(tiny_engine) as served:
         channel = served.channel()
-        factory = channel.unary_stream if is_stream else channel.unary_unary
-        call = factory(SERVICE + method, request_serializer=None, response_deserializer=None)(payload)
-        err = await rpc_error(call.read() if is_stream else call)
+        if is_stream == "client":
+            call = channel.stream_unary(SERVICE + method, request_serializer=None,
+                                        response_deserializer=None)(iter([payload]))
+        else:
+            factory = channel.unary_stream if is_stream else channel.unary_unary
+            call = factory(SERVICE + method, request_serializer=None, response_deserializer=None)(payload)
+        err = await rpc_error(call.read() if is_stream is True else call)
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
         assert "could not be decoded" in err.details() and method in err.details()
         status = rpc_status.from_call(err)

@@ -46,6 +46,8 @@ def _mapped(method: Callable) -> Callable:
             return await method(self, request, context, owner)
         except RuntimeServiceError as exc:
             await abort_with(context, exc)
+        except grpc.aio.AbortError:  # already answered (an undecodable message of a client stream): as it is
+            raise
         except Exception as exc:  # noqa: BLE001 - the INTERNAL catch-all, logged
             log.exception("unexpected error in %s", method.__name__)
             await abort_with(context, exc, f"internal error: {type(exc).__name__}: {exc}")

@@ -35,6 +35,8 @@ def _mapped(method: Callable) -> Callable:
     async def wrapper(self: "ShardRuntimeServicer", request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
             return await method(self, request, context)
+        except grpc.aio.AbortError:  # already answered: as it is
+            raise
         except Exception as exc:  # noqa: BLE001 - mapped once, unexpected ones logged
             if not isinstance(exc, RuntimeServiceError):
                 log.exception("unexpected error in %s", method.__name__)
