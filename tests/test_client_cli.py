@@ -9,6 +9,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import tomllib
 import zipfile
 from pathlib import Path
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from inference_engine.client import cli
+from inference_engine.client.client import GenerateSettings, RuntimeClient
 from inference_engine.runtime.runtime import Runtime
 from inference_engine.server.server import start_server
 from tests.conftest import make_config
@@ -150,3 +152,37 @@ async def test_generate_and_chat_against_a_server(real_engine):
         rc, out, err = await _cli("chat", "--target", target, "--max-new-tokens", "6", "--stats",
                                   lines=["What is the capital of France?", later])
         assert rc == 0 and "session expired" in err and err.count("tokens, ") == 2
+
+
+@pytest.mark.parametrize("flag,value", [("--seed", "-1"), ("--max-new-tokens", "-1"), ("--top-k", "-5"),
+                                        ("--logprobs", "4294967296"), ("--seed", "x")])
+def test_out_of_range_numbers_are_usage_errors(capsys, flag, value):
+    """A number no request field can hold is argparse's error (exit 2), never a protobuf traceback."""
+    with pytest.raises(SystemExit) as done:
+        cli.main(["generate", "--prompt", "hi", flag, value])
+    assert done.value.code == 2
+    assert f"argument {flag}:" in capsys.readouterr().err
+
+
+@pytest.mark.real_model
+async def test_an_append_waits_for_the_cancelled_reply_before_it(real_engine):
+    """Ctrl-C on a reply, then the next line at once: the append finds the session still busy with the
+    reply (ABORTED until its cancellation lands) and retries instead of failing the chat."""
+    async with _server(real_engine, default_window=256) as (target, runtime):
+        def chat_turns() -> tuple[int, int, int]:
+            client = RuntimeClient(target)
+            sid = client.create_session()
+            first = client.append_text(sid, "Once upon a time").history_length
+            stream = client.generate(sid, GenerateSettings(max_new_tokens=400, ignore_eos=True))
+            got = len(next(stream).tokens)
+            cancel = threading.Timer(0.5, stream.cancel)  # the user's Ctrl-C lands while the append waits
+            cancel.start()
+            appended = client.append_text(sid, " The end.")  # ABORTED until then: retried
+            cancel.join()
+            client.close_session(sid)
+            client.close()
+            return first, got, appended.history_length - len(appended.tokens)
+
+        first, got, before_append = await asyncio.to_thread(chat_turns)
+        assert got >= 1 and first + got <= before_append < first + 400  # the reply was cut, then the line went in
+        assert runtime.store.slabs_in_use == 0

@@ -32,19 +32,36 @@ def _target_default() -> str:
     return os.environ.get(ADDRESS_ENV) or DEFAULT_ADDRESS
 
 
+def unsigned(bits: int) -> Callable[[str], int]:
+    """An argparse type: an integer that fits the request's unsigned field of `bits` bits."""
+    top = (1 << bits) - 1
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if not 0 <= value <= top:
+            raise argparse.ArgumentTypeError(f"{value} is out of range; allowed 0..{top}")
+        return value
+
+    parse.__name__ = f"uint{bits}"  # argparse names the type in its messages
+    return parse
+
+
 def add_client_flags(parser: argparse.ArgumentParser) -> None:
     """Flags shared by chat and generate: where the server is and how to generate."""
     parser.add_argument("--target", default=_target_default(),
                         help=f"server HOST:PORT (default ${ADDRESS_ENV}, else {DEFAULT_ADDRESS})")
     parser.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to wait for the server")
     parser.add_argument("--system", default=None, help="system message opening the conversation")
-    parser.add_argument("--max-new-tokens", type=int, default=0, help="tokens per reply (0 = server default)")
+    parser.add_argument("--max-new-tokens", type=unsigned(32), default=0, help="tokens per reply (0 = server default)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    parser.add_argument("--top-k", type=int, default=0, help="0 = off")
+    parser.add_argument("--top-k", type=unsigned(32), default=0, help="0 = off")
     parser.add_argument("--top-p", type=float, default=0.0, help="0 = off")
     parser.add_argument("--min-p", type=float, default=0.0, help="0 = off")
     parser.add_argument("--repetition-penalty", type=float, default=0.0, help="0 = off")
-    parser.add_argument("--seed", type=int, default=None, help="sampling seed (default: the server picks one)")
+    parser.add_argument("--seed", type=unsigned(64), default=None, help="sampling seed (default: the server picks one)")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--mode", choices=sorted(MODES), default="plain", help="speculative decoding mode")
     parser.add_argument("--stats", action="store_true",
@@ -60,7 +77,7 @@ def add_client_commands(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--prompt", required=True, help="the user message (or raw text with --raw)")
     gen.add_argument("--raw", action="store_true", help="send the prompt as text, without the chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
-    gen.add_argument("--logprobs", type=int, default=None, metavar="N",
+    gen.add_argument("--logprobs", type=unsigned(32), default=None, metavar="N",
                      help="with --json: each token's logprob and N alternatives (0..20)")
     gen.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
     add_client_flags(gen)

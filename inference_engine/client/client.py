@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -11,6 +12,7 @@ from inference_engine.v1 import runtime_pb2 as pb
 from inference_engine.v1 import runtime_pb2_grpc as pb_grpc
 
 RPC_TIMEOUT_S = 60.0  # unary calls; a Generate stream has no deadline (it may be long)
+BUSY_WAIT_S = 10.0  # an append finding the session busy retries this long (a cancelled reply still ending)
 
 
 class ServerUnavailable(Exception):
@@ -83,11 +85,25 @@ class RuntimeClient:
         """Append chat turn(s) (role, content) ending with the assistant's header."""
         req = pb.AppendTokensRequest(session_id=session_id, add_generation_prompt=True,
                                      messages=[pb.ChatMessage(role=r, content=c) for r, c in messages])
-        return self.stub.AppendTokens(req, timeout=RPC_TIMEOUT_S)
+        return self._append(req)
 
     def append_text(self, session_id: str, text: str) -> pb.AppendTokensResponse:
         """Append text as it is (no template)."""
-        return self.stub.AppendTokens(pb.AppendTokensRequest(session_id=session_id, text=text), timeout=RPC_TIMEOUT_S)
+        return self._append(pb.AppendTokensRequest(session_id=session_id, text=text))
+
+    def _append(self, req: pb.AppendTokensRequest) -> pb.AppendTokensResponse:
+        """AppendTokens, retried while the session is busy (ABORTED: the call before it, a reply just
+        cancelled with Ctrl-C, ends at its next step) for up to BUSY_WAIT_S; a busy session appends
+        nothing, so the retry is safe."""
+        give_up, pause = time.monotonic() + BUSY_WAIT_S, 0.02
+        while True:
+            try:
+                return self.stub.AppendTokens(req, timeout=RPC_TIMEOUT_S)
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.ABORTED or time.monotonic() + pause > give_up:
+                    raise
+            time.sleep(pause)
+            pause = min(2 * pause, 0.5)
 
     def generate(self, session_id: str, settings: GenerateSettings) -> Iterator[pb.GenerateResponse]:
         """The Generate stream (cancel it with `.cancel()`)."""
