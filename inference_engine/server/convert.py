@@ -27,8 +27,8 @@ def chat_messages(v: Validator, field: str, messages: Sequence[pb.ChatMessage]) 
     """Validated chat messages (count, role and content lengths)."""
     v.length(field, len(messages))
     for m in messages:
-        v.length("ChatMessage.role", len(m.role))
-        v.length("ChatMessage.content", len(m.content))
+        v.length("ChatMessage.role", len(m.role), "characters")
+        v.length("ChatMessage.content", len(m.content), "characters")
     return tuple(ChatMessage(m.role, m.content) for m in messages)
 
 
@@ -47,7 +47,7 @@ def append_params(v: Validator, r: pb.AppendTokensRequest) -> AppendParams:
     if given == "tokens":
         return AppendParams(sid, v.items("AppendTokensRequest.tokens", list(r.tokens)), expected_history_length=expected)
     if given == "text":
-        v.length("AppendTokensRequest.text", len(r.text))
+        v.length("AppendTokensRequest.text", len(r.text), "characters")
         return AppendParams(sid, (), TextInput(r.text), expected_history_length=expected)
     messages = chat_messages(v, "AppendTokensRequest.messages", r.messages)
     return AppendParams(sid, (), ChatInput(messages, r.add_generation_prompt), expected_history_length=expected)
@@ -129,7 +129,7 @@ def tokenize_input(v: Validator, r: pb.TokenizeRequest) -> TextInput | ChatInput
         return ChatInput(chat_messages(v, "TokenizeRequest.messages", r.messages), r.add_generation_prompt)
     if r.add_generation_prompt:
         raise InvalidRequest("TokenizeRequest.add_generation_prompt applies to messages only", "add_generation_prompt")
-    v.length("TokenizeRequest.text", len(r.text))
+    v.length("TokenizeRequest.text", len(r.text), "characters")
     return TextInput(r.text)
 
 

@@ -77,7 +77,7 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
     async def CreateSession(self, request: pb.CreateSessionRequest, context: grpc.aio.ServicerContext,
                             owner: str) -> pb.CreateSessionResponse:
         v = self.validate
-        v.length("CreateSessionRequest.client_label", len(request.client_label))
+        v.length("CreateSessionRequest.client_label", len(request.client_label), "characters")
         params = CreateSessionParams(
             eos_token_ids=v.items("CreateSessionRequest.eos_token_ids", list(request.eos_token_ids)),
             client_label=request.client_label,

@@ -13,22 +13,23 @@ from inference_engine.runtime.types import DecodeMode
 MAX_TEXT_CHARS = 1 << 20  # characters of one text, message content or Tokenize input
 MAX_MESSAGES = 256  # messages in one request
 MAX_STOP_STRINGS = 8  # stop strings in one Generate
+DEFAULT = "the server default"  # what 0 means in most numeric fields
 
 
 @dataclass(frozen=True)
 class Bound:
-    """Inclusive range of a numeric field; `zero_ok` admits 0 as 'server default' / 'off'."""
+    """Inclusive range of a numeric field, and 0 besides it where 0 has a meaning of its own."""
 
     low: int | float
     high: int | float
-    zero_ok: bool = False
+    zero: str = ""  # what 0 means where it is admitted outside the range ("" = not admitted)
 
 
 def bounds_table(cfg: ServerConfig, vocab_size: int) -> dict[str, Bound]:
     """Every bounded request field, by `Message.field` name."""
     return {
-        "CreateSessionRequest.sink_tokens": Bound(1, cfg.max_sink, zero_ok=True),
-        "CreateSessionRequest.window_tokens": Bound(1, cfg.max_window, zero_ok=True),
+        "CreateSessionRequest.sink_tokens": Bound(1, cfg.max_sink, DEFAULT),
+        "CreateSessionRequest.window_tokens": Bound(1, cfg.max_window, DEFAULT),
         "CreateSessionRequest.eos_token_ids[]": Bound(0, vocab_size - 1),
         "CreateSessionRequest.eos_token_ids#": Bound(0, 64),
         "CreateSessionRequest.client_label#": Bound(0, 256),
@@ -38,11 +39,11 @@ def bounds_table(cfg: ServerConfig, vocab_size: int) -> dict[str, Bound]:
         "AppendTokensRequest.messages#": Bound(1, MAX_MESSAGES),
         "ChatMessage.role#": Bound(1, 64),
         "ChatMessage.content#": Bound(0, MAX_TEXT_CHARS),
-        "GenerateRequest.max_new_tokens": Bound(1, cfg.max_new_tokens, zero_ok=True),
-        "GenerateRequest.num_draft_tokens": Bound(1, cfg.max_rollback, zero_ok=True),
+        "GenerateRequest.max_new_tokens": Bound(1, cfg.max_new_tokens, DEFAULT),
+        "GenerateRequest.num_draft_tokens": Bound(1, cfg.max_rollback, DEFAULT),
         "GenerateRequest.mode": Bound(min(m.value for m in DecodeMode), max(m.value for m in DecodeMode)),
         "GenerateRequest.temperature": Bound(0.0, 100.0),  # 0 = greedy
-        "GenerateRequest.top_k": Bound(1, vocab_size, zero_ok=True),  # 0 = all tokens
+        "GenerateRequest.top_k": Bound(1, vocab_size, "all tokens"),
         "GenerateRequest.top_p": Bound(0.0, 1.0),  # 0 or 1 = all tokens
         "GenerateRequest.min_p": Bound(0.0, 1.0),  # 0 = all tokens
         "GenerateRequest.repetition_penalty": Bound(0.0, 10.0),  # 0 or 1 = none
@@ -50,7 +51,7 @@ def bounds_table(cfg: ServerConfig, vocab_size: int) -> dict[str, Bound]:
         "GenerateRequest.stop[]#": Bound(1, 256),
         "GenerateRequest.eos_token_ids#": Bound(0, 64),
         "GenerateRequest.eos_token_ids[]": Bound(0, vocab_size - 1),
-        "GenerateRequest.top_logprobs": Bound(1, MAX_TOP_LOGPROBS, zero_ok=True),  # 0 = no alternatives
+        "GenerateRequest.top_logprobs": Bound(1, MAX_TOP_LOGPROBS, "no alternatives"),
         "TokenizeRequest.text#": Bound(0, MAX_TEXT_CHARS),
         "TokenizeRequest.messages#": Bound(0, MAX_MESSAGES),
         "DetokenizeRequest.tokens#": Bound(0, 1 << 16),
@@ -73,9 +74,9 @@ class Validator:
     def value(self, field: str, value: int) -> int:
         """Check one integer field. Raises InvalidRequest."""
         b = self.table[field]
-        if (value == 0 and b.zero_ok) or b.low <= value <= b.high:
+        if (value == 0 and b.zero) or b.low <= value <= b.high:
             return value
-        zero = " (or 0 for the server default)" if b.zero_ok else ""
+        zero = f" (or 0: {b.zero})" if b.zero else ""
         raise InvalidRequest(f"{field.rstrip('#')} = {value} is out of range; allowed {b.low}..{b.high}{zero}",
                              field_path(field))
 
@@ -86,11 +87,13 @@ class Validator:
             return float(value)
         raise InvalidRequest(f"{field} = {value} is out of range; allowed {b.low}..{b.high}", field_path(field))
 
-    def length(self, field: str, n: int) -> None:
-        """Check a repeated/string field's length (table key `Field#`). Raises InvalidRequest."""
+    def length(self, field: str, n: int, unit: str = "elements") -> None:
+        """Check a repeated field's length, or a string's (`unit` "characters"); table key `Field#`.
+        Raises InvalidRequest."""
         b = self.table[field + "#"]
         if not b.low <= n <= b.high:
-            raise InvalidRequest(f"{field} has {n} elements/characters; allowed {b.low}..{b.high}", field_path(field))
+            raise InvalidRequest(f"{field.removeprefix('*.')} has {n} {unit}; allowed {b.low}..{b.high}",
+                                 field_path(field))
 
     def items(self, field: str, values: list[int]) -> tuple[int, ...]:
         """Check a repeated integer field's length and every element. Raises InvalidRequest."""
@@ -124,5 +127,5 @@ class Validator:
 
     def session_id(self, sid: str) -> str:
         """Check a session id's shape. Raises InvalidRequest."""
-        self.length("*.session_id", len(sid))
+        self.length("*.session_id", len(sid), "characters")
         return sid
