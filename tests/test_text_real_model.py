@@ -9,6 +9,7 @@ from mlx_lm.generate import generate_step
 from inference_engine.decoding.logprobs import log_softmax
 from inference_engine.text.chat import ChatInput, ChatLog, TextInput, resolve_input
 from inference_engine.text.codec import ChatMessage, TextCodec
+from inference_engine.text.detokenizer import IncrementalDetokenizer
 from inference_engine.v1 import runtime_pb2 as pb
 from tests.conftest import running_server
 
@@ -128,6 +129,29 @@ async def test_streamed_text_never_breaks_a_character(real_model, real_engine):
             assert all("\ufffd" not in t for t in texts)
             assert any(m.tokens and not m.text for m in msgs)  # a token that ended inside a character
             assert "".join(texts) == tok.decode(tokens, skip_special_tokens=True).rstrip("\ufffd")
+
+
+def test_a_real_replacement_character_is_text_like_any_other(real_model):
+    """U+FFFD is a character of its own (bytes EF BF BD, one token here): streamed with its token, never
+    held back as if it were bytes of a split character, nor sent again after a history ending with it;
+    a character split across tokens still waits for its last byte, across calls too."""
+    codec = TextCodec(real_model.tokenizer)
+    for text in ("a\ufffd", "x \ufffd is it", "\u65e5\u672c\u8a9e \U0001F642\U0001F44D\U0001F3FD ok \ufffd\ufffd"):
+        ids = codec.encode(text)
+        for cut in range(len(ids)):  # history ids[:cut], then a Generate streaming the rest token by token
+            detok = IncrementalDetokenizer(codec, ids[:cut])
+            pieces = [detok.push(t) for t in ids[cut:]]
+            before = codec.decode(ids[:cut])
+            emitted = before.removesuffix("\ufffd") if _splits_a_character(codec, ids, cut) else before
+            assert "".join(pieces) == codec.decode(ids)[len(emitted):], (text, cut, pieces)
+    ids = codec.encode("a\ufffd")
+    assert [IncrementalDetokenizer(codec, ids[:1]).push(ids[1])] == ["\ufffd"]  # the last token's text: now
+
+
+def _splits_a_character(codec: TextCodec, ids: list[int], cut: int) -> bool:
+    """Whether ids[:cut] ends inside a character (its text then arrives with the rest)."""
+    whole, head = codec.decode(ids), codec.decode(ids[:cut])
+    return head.endswith("\ufffd") and not whole.startswith(head)
 
 
 async def test_stop_string_across_tokens(real_model, real_engine):
