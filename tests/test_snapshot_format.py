@@ -1,6 +1,7 @@
 """The snapshot file format on synthetic states: deterministic bytes, exact round trips, and every
 malformation refused as SnapshotCorrupt (or SnapshotIncompatible for a sound file of another version)."""
 
+import dataclasses
 import hashlib
 import json
 import struct
@@ -29,7 +30,7 @@ def _parts(data: bytes) -> tuple[dict, bytes]:
     return json.loads(data[16 : 16 + head_len]), data[16 + head_len : -32]
 
 
-def _build(header: dict | bytes, body: bytes, version: int = 1, head_len: int | None = None) -> bytes:
+def _build(header: dict | bytes, body: bytes, version: int = fmt.FORMAT_VERSION, head_len: int | None = None) -> bytes:
     head = header if isinstance(header, bytes) else json.dumps(header).encode()
     blob = struct.pack("<8sII", fmt.MAGIC, version, len(head) if head_len is None else head_len) + head + body
     return blob + hashlib.sha256(blob).digest()
@@ -92,8 +93,35 @@ def test_malformations_are_corrupt():
     for fragment, blob in cases.items():
         with pytest.raises(SnapshotCorrupt, match=fragment.split(' (')[0]):
             fmt.decode(blob)
-    with pytest.raises(SnapshotIncompatible, match="format version 7; this server reads version 1"):
+    with pytest.raises(SnapshotIncompatible, match="format version 7; this server reads versions 1, 2"):
         fmt.decode(_build(header, body, version=7))
     nested = b"[" * 100000 + b"]" * 100000
     with pytest.raises(SnapshotCorrupt):
         fmt.decode(_build(nested, body))
+
+
+@pytest.mark.parametrize("sink", [0, 1, 2, 5])
+@pytest.mark.parametrize("window", [0, 1, 3, 8])
+def test_retained_count_is_the_visible_positions_less_the_query(sink, window):
+    from inference_engine.verifier.kv_cache import CacheGeometry
+
+    for n in range(20):
+        visible = CacheGeometry(sink, window, 1, 0).visible_positions(n)[:-1] if n else []
+        assert fmt.retained_count(n, sink, window) == len(visible)
+    # header numbers no server allows: answered by arithmetic (a list of them would need petabytes)
+    assert fmt.retained_count(10**15, 10**12, 10**13) == 10**12 + 10**13
+
+
+def test_a_forged_huge_window_and_history_is_refused_without_building_them():
+    """A small file with a valid checksum claiming window = history = 10**12: refused as corrupt (its
+    sections hold 7 tokens), before anything proportional to the claim exists (the old decode built a
+    list of 10**12 positions: MemoryError or minutes)."""
+    header, body = _parts(fmt.encode(_snapshot()))
+    header["fingerprint"]["window"] = header["state"]["history_length"] = 10**12
+    with pytest.raises(SnapshotCorrupt, match="do not describe a session of 1000000000000 tokens"):
+        fmt.decode(_build(header, body))
+    # consistent sections and an absurd window: decoded at once (the server's limits are check_fits' job)
+    wide = dataclasses.replace(FP, window=10**12)
+    kv = CanonicalKV(7, np.zeros((2, 1, 7, 4), np.float32), np.zeros((2, 1, 7, 4), np.float32))
+    snap = fmt.SessionSnapshot(wide, (), "", np.arange(7, dtype=np.uint32), np.zeros(10, np.float32), kv, "c" * 64)
+    assert fmt.decode(fmt.encode(snap)).fingerprint.window == 10**12

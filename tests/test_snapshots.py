@@ -217,7 +217,7 @@ async def test_every_refusal_fails_closed(engine, other_engines):
             "eos": _resigned(data, edit("session", "eos_token_ids", [256])),
         }
         incompatible = {
-            "version 2": _resigned(data, version=2),
+            "version 3": _resigned(data, version=fmt.FORMAT_VERSION + 1),  # a newer format
             "tokenizer": _resigned(data, edit("fingerprint", "tokenizer", "f" * 64)),
             "kernels": _resigned(data, edit("fingerprint", "kernels", "reference: bundled")),
         }

@@ -84,15 +84,20 @@ class AppendJob(Job):
             self._is_computed = True
             self._settle(AppendResult(len(coord.log), coord.verifier.next_global_position, tuple(self.tokens)), None)
 
-    def take(self) -> bool:
+    def take(self, also: Callable[[], None] | None = None) -> bool:
         """The caller takes the result (loop thread; wake the scheduler after): from here on it counts.
 
+        Args:
+            also: what else the append changes in the session (its chat log), done in the same step as
+                taking it, so a call waiting for the session (a snapshot) sees both or neither.
         Returns:
-            False if the job was aborted first (the append was undone).
+            False if the job was aborted first (the append was undone; `also` is not called).
         """
         with self._lock:
             if not self._is_undone:
                 self._is_taken = True
+                if also is not None:
+                    also()
             return self._is_taken
 
     def abort(self, exc: BaseException | None) -> None:

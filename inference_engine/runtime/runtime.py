@@ -175,11 +175,11 @@ class Runtime:
             except asyncio.CancelledError:
                 await self._undo_append(job)
                 raise
-            is_taken = job.take()  # from here on the append counts (no await in between: no cancel can land)
+            # From here on the append counts (no await in between: no cancel can land), with its chat turn.
+            is_taken = job.take(also=lambda: setattr(session, "chat", chat))
             self.engine.scheduler.wake()
             if not is_taken:
                 raise EngineUnavailable("the engine is shutting down; nothing was appended")
-            session.chat = chat
             return result
         finally:
             self.store.release(session)

@@ -91,6 +91,12 @@ class SessionRestored:
     window: int  # its window tokens
 
 
+def _capture_with_chat(session: Session, fingerprint: Fingerprint,
+                       identity: PersistedIdentity | None) -> SessionSnapshot:
+    """`capture` with the session's chat log, read at the same clean point as its tokens (engine thread)."""
+    return dataclasses.replace(capture(session, fingerprint, identity), chat=session.chat)
+
+
 @functools.lru_cache(maxsize=4)
 def vocabulary_digest(tokenizer: Any) -> str:
     """Hex SHA-256 of a tokenizer's vocabulary (token -> id), once per tokenizer object (~0.3 s)."""
@@ -126,7 +132,7 @@ class SessionTransfer:
             SessionNotFound: closed meanwhile. RuntimeServiceError: the state could not be read.
         """
         fingerprint = self.fingerprint(session.sink, session.window)
-        copied = await self.engine.run(capture, session, fingerprint, identity, session=session)
+        copied = await self.engine.run(_capture_with_chat, session, fingerprint, identity, session=session)
         return await asyncio.to_thread(seal, copied)  # hashing ~50 MB is no work for the engine thread
 
     async def snapshot(self, p: SnapshotParams) -> SnapshotTaken:
@@ -206,7 +212,7 @@ class SessionTransfer:
             coordinator = await self.engine.run(
                 lambda: install(snap, self.engine.backend, geometry, short_id(session_id), prepared))
             session = Session(session_id, coordinator, f.sink, f.window, snap.eos_token_ids, snap.client_label,
-                              owner=owner)
+                              owner=owner, chat=snap.chat)  # the next chat turn renders as on the original
             if created_ns is not None:
                 session.created_ns = created_ns
             try:

@@ -1,10 +1,10 @@
-"""The session snapshot file (format version 1): a session's complete state as bytes.
+"""The session snapshot file (format version 2): a session's complete state as bytes.
 
 Layout (integers little-endian):
 
     offset   size  field
     0        8     magic b"\\x89IESNAP\\n" (binary: a text-mode copy breaks it, as PNG's does)
-    8        4     format version, uint32 (1)
+    8        4     format version, uint32 (2; version 1 is still read)
     12       4     header length H, uint32 (at most MAX_HEADER_BYTES)
     16       H     header: UTF-8 JSON object, keys sorted, no spaces (below)
     16+H     ...   sections, back to back in header order, each prod(shape) x itemsize bytes, C order
@@ -15,15 +15,29 @@ told apart from a newer one: the checksum is checked before the version (damaged
 SnapshotCorrupt, INVALID_ARGUMENT; sound but another version: SnapshotIncompatible,
 FAILED_PRECONDITION).
 
-Header, version 1:
+Header, version 2:
   fingerprint  model, tokenizer, kernels, block_size, exact, sink, window (see `Fingerprint`)
   session      eos_token_ids, client_label
   state        history_length N, state_digest (GetSessionInfo's, of the state in this file)
   sections     [{name, dtype, shape}]: tokens <u4 (N,); logits <f4 or <f2 (V,), absent when N = 0;
                keys and values <f4 or <f2 (layers, n_kv, n, head_dim), n = the positions the next
-               query sees besides itself (the sinks, then the window, in position order)
+               query sees besides itself (the sinks, then the window, in position order);
+               chat |u1 (B,): the session's chat log as UTF-8 JSON {reply_from, turns} (below)
   persisted    optional {session_id, owner, created_ns}: only in files a server writes for
                itself (--persist-sessions, SnapshotSession to_dir); never in streamed bytes
+
+The chat log is what renders the next chat turn (text/chat.py): every message a client sent
+({role, content}) and every generated reply as its history span ({start, end}), in order, and
+`reply_from` (null, or where an open reply starts). Without it a copy would render the next
+turn differently (no closing "\\n" after an EOS, no `<|im_end|>` after a cut reply). It is a
+section, not a header field: a long conversation's messages can outgrow the header's cap.
+Decoding checks it against N: spans in order, 0 <= start <= end <= N, reply_from in
+[last end, N].
+
+Versions: a field that changes what a restored session does bumps the version, so an older
+server refuses the file (SnapshotIncompatible) instead of restoring a copy that diverges.
+Version 2 added the chat section. A version 1 file (never any chat section) is still read, as
+a session with an empty chat log: exactly what it records, and what its writer restored.
 
 K/V are canonical (the retained positions in order, what the digest hashes), not ring slots:
 a snapshot does not depend on the ring's slack (block size, rollback room) nor on where the
@@ -44,10 +58,13 @@ from typing import Any
 import numpy as np
 
 from inference_engine.errors import SnapshotCorrupt, SnapshotIncompatible
-from inference_engine.verifier.kv_cache import CacheGeometry, CanonicalKV
+from inference_engine.text.chat import ChatLog, ReplySpan
+from inference_engine.text.codec import ChatMessage
+from inference_engine.verifier.kv_cache import CanonicalKV
 
 MAGIC = b"\x89IESNAP\n"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # what encode writes
+READ_VERSIONS = (1, 2)  # what decode reads (1: no chat section, an empty chat log)
 MAX_HEADER_BYTES = 1 << 20
 _PREAMBLE = struct.Struct("<8sII")  # magic, version, header length
 _DIGEST_BYTES = 32
@@ -99,6 +116,7 @@ class SessionSnapshot:
     kv: CanonicalKV  # retained K/V of every layer, position N
     state_digest: str  # hex SHA-256 of this state (GetSessionInfo.state_digest)
     identity: PersistedIdentity | None = None  # set in server-written files only
+    chat: ChatLog = ChatLog()  # messages and reply spans: how the next chat turn is rendered
 
     @property
     def history_length(self) -> int:
@@ -107,8 +125,12 @@ class SessionSnapshot:
 
 
 def retained_count(position: int, sink: int, window: int) -> int:
-    """Positions a cache at `position` keeps for the next query (sinks, then the window)."""
-    return len(CacheGeometry(sink, window, 1, 0).visible_positions(position)[:-1]) if position else 0
+    """Positions a cache at `position` keeps for the next query (sinks, then the window).
+
+    `len(CacheGeometry.visible_positions(position)) - 1`, by arithmetic: the numbers come from an
+    unchecked header, so nothing proportional to them may be built.
+    """
+    return min(sink, position) + min(window, max(0, position - sink))
 
 
 def encode(snapshot: SessionSnapshot) -> bytes:
@@ -118,6 +140,7 @@ def encode(snapshot: SessionSnapshot) -> bytes:
     if snapshot.logits is not None:
         arrays.append(("logits", _little(snapshot.logits)))
     arrays += [("keys", _little(kv.keys)), ("values", _little(kv.values))]
+    arrays.append(("chat", np.frombuffer(_chat_bytes(snapshot.chat), dtype="|u1")))
     header: dict[str, Any] = {
         "fingerprint": {"model": f.model, "tokenizer": f.tokenizer, "kernels": f.kernels, "block_size": f.block_size,
                         "exact": f.is_exact, "sink": f.sink, "window": f.window},
@@ -151,22 +174,22 @@ def decode(data: bytes | bytearray | memoryview) -> SessionSnapshot:
         raise SnapshotCorrupt(f"the snapshot's SHA-256 does not match its {len(view)} bytes: it is truncated or "
                               "corrupted; nothing was restored", "data")
     _, version, head_len = _PREAMBLE.unpack_from(view)
-    if version != FORMAT_VERSION:
-        raise SnapshotIncompatible(f"the snapshot has format version {version}; this server reads version "
-                                   f"{FORMAT_VERSION}")
+    if version not in READ_VERSIONS:
+        raise SnapshotIncompatible(f"the snapshot has format version {version}; this server reads versions "
+                                   f"{', '.join(map(str, READ_VERSIONS))}")
     body_end = len(view) - _DIGEST_BYTES
     if head_len > MAX_HEADER_BYTES or _PREAMBLE.size + head_len > body_end:
         raise SnapshotCorrupt(f"the snapshot's header length {head_len} does not fit its {len(view)} bytes", "data")
     try:
         header = json.loads(bytes(view[_PREAMBLE.size : _PREAMBLE.size + head_len]))
-        return _parse(header, view[_PREAMBLE.size + head_len : body_end])
+        return _parse(header, view[_PREAMBLE.size + head_len : body_end], version)
     except SnapshotCorrupt:
         raise
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:  # json, fields, types
         raise SnapshotCorrupt(f"the snapshot's header is malformed ({type(exc).__name__}: {exc})", "data") from None
 
 
-def _parse(header: dict[str, Any], body: memoryview) -> SessionSnapshot:
+def _parse(header: dict[str, Any], body: memoryview, version: int) -> SessionSnapshot:
     fp, sess, state = header["fingerprint"], header["session"], header["state"]
     fingerprint = Fingerprint(_str(fp["model"]), _str(fp["tokenizer"]), _str(fp["kernels"]), _int(fp["block_size"]),
                               _bool(fp["exact"]), _int(fp["sink"]), _int(fp["window"]))
@@ -174,7 +197,8 @@ def _parse(header: dict[str, Any], body: memoryview) -> SessionSnapshot:
     for section in header["sections"]:
         name, dtype = _str(section["name"]), np.dtype(_str(section["dtype"]))
         shape = [_int(n) for n in section["shape"]]
-        allowed = ("<u4",) if name == "tokens" else _FLOAT_DTYPES if name in ("logits", "keys", "values") else ()
+        allowed = ("<u4",) if name == "tokens" else _FLOAT_DTYPES if name in ("logits", "keys", "values") else (
+            ("|u1",) if name == "chat" and version >= 2 else ())
         if dtype.str not in allowed or name in arrays:
             raise SnapshotCorrupt(f"unexpected snapshot section {name!r} of dtype {dtype.str}", "data")
         size = math.prod(shape) * dtype.itemsize
@@ -194,12 +218,52 @@ def _parse(header: dict[str, Any], body: memoryview) -> SessionSnapshot:
         raise SnapshotCorrupt(f"the snapshot's sections do not describe a session of {n} tokens (tokens "
                               f"{list(tokens.shape)}, keys {list(keys.shape)}, values {list(values.shape)}, "
                               f"logits {None if logits is None else list(logits.shape)})", "data")
+    chat = _chat_log(arrays["chat"], n) if version >= 2 else ChatLog()
     identity = None
     if "persisted" in header:
         p = header["persisted"]
         identity = PersistedIdentity(_str(p["session_id"]), _str(p["owner"]), _int(p["created_ns"]))
     return SessionSnapshot(fingerprint, tuple(_int(t) for t in sess["eos_token_ids"]), _str(sess["client_label"]),
-                           tokens, logits, CanonicalKV(n, keys, values), digest, identity)
+                           tokens, logits, CanonicalKV(n, keys, values), digest, identity, chat)
+
+
+def _chat_bytes(chat: ChatLog) -> bytes:
+    """The chat section: the log as UTF-8 JSON, keys sorted (equal logs give equal bytes)."""
+    turns = [{"start": t.start, "end": t.end} if isinstance(t, ReplySpan) else {"role": t.role, "content": t.content}
+             for t in chat.turns]
+    return json.dumps({"reply_from": chat.reply_from, "turns": turns}, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _chat_log(section: np.ndarray, n: int) -> ChatLog:
+    """The chat section's log, checked against a history of `n` tokens (spans in order, inside it).
+
+    Raises:
+        SnapshotCorrupt: spans or reply_from outside the history or out of order.
+        ValueError, KeyError, TypeError: not the JSON `_chat_bytes` writes (decode reports them as corrupt).
+    """
+    if section.ndim != 1:
+        raise TypeError(f"the chat section has shape {list(section.shape)}, expected one dimension")
+    doc = json.loads(section.tobytes().decode("utf-8"))
+    if not isinstance(doc, dict) or set(doc) != {"reply_from", "turns"} or not isinstance(doc["turns"], list):
+        raise TypeError("the chat section is not an object {reply_from, turns}")
+    turns: list[ChatMessage | ReplySpan] = []
+    end = 0  # where the last reply span ended: later spans and reply_from start at or after it
+    for t in doc["turns"]:
+        if not isinstance(t, dict) or set(t) not in ({"start", "end"}, {"role", "content"}):
+            raise TypeError(f"a chat turn is neither {{start, end}} nor {{role, content}}: {str(t)[:80]}")
+        if "start" in t:
+            span = ReplySpan(_int(t["start"]), _int(t["end"]))
+            if not end <= span.start <= span.end <= n:
+                raise SnapshotCorrupt(f"the snapshot's chat log has a reply span [{span.start}, {span.end}) outside "
+                                      f"[{end}, {n}] (a history of {n} tokens, spans in order)", "data")
+            turns.append(span)
+            end = span.end
+        else:
+            turns.append(ChatMessage(_str(t["role"]), _str(t["content"])))
+    reply_from = doc["reply_from"]
+    if reply_from is not None and not end <= _int(reply_from) <= n:
+        raise SnapshotCorrupt(f"the snapshot's chat log has reply_from {reply_from} outside [{end}, {n}]", "data")
+    return ChatLog(tuple(turns), reply_from)
 
 
 def check_compatible(snapshot: SessionSnapshot, here: Fingerprint) -> None:
