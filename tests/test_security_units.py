@@ -84,7 +84,7 @@ def test_bind_failures():
         def add_insecure_port(self, address):
             return 0
 
-    with pytest.raises(OSError, match="could not bind h:1: Failed to bind"):
+    with pytest.raises(OSError, match=r"could not bind h:1 \(in use by another process\?\): Failed to bind"):
         bind(Refusing(), "h:1", ServerSecurity())
     with pytest.raises(OSError, match="could not bind h:1"):
         bind(Zero(), "h:1", ServerSecurity())

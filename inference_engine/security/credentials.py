@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import ssl
 from pathlib import Path
 from typing import Sequence
 
@@ -11,6 +12,9 @@ import grpc
 from inference_engine.security.settings import ClientSecurity, ServerSecurity
 
 ChannelOptions = Sequence[tuple[str, object]]
+# grpc sets SO_REUSEPORT on its listeners by default: a second server on a port in use would then
+# start, and the kernel would spread connections (and so sessions) over both. Bind exclusively.
+SERVER_OPTIONS: ChannelOptions = (("grpc.so_reuseport", 0),)
 
 
 def is_loopback(host: str) -> bool:
@@ -42,11 +46,33 @@ def server_credentials(security: ServerSecurity) -> grpc.ServerCredentials | Non
     """
     if not security.is_tls:
         return None
+    _check_pem(security)
     return grpc.ssl_server_credentials(
         [(_read(security.tls_key), _read(security.tls_cert))],
         root_certificates=_read(security.tls_client_ca),
         require_client_auth=security.is_mtls,
     )
+
+
+def _check_pem(security: ServerSecurity) -> None:
+    """Load the certificate, key and client CA as a TLS server would, so a bad one is named now (grpc
+    only fails the bind, as if the port were the problem, and says why on its own stderr).
+
+    Raises:
+        OSError: a file cannot be read, is not PEM, or the key does not match the certificate.
+    """
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(security.tls_cert, security.tls_key)
+    except ssl.SSLError as exc:
+        raise OSError(f"--tls-cert {security.tls_cert} / --tls-key {security.tls_key} cannot be used: not a PEM "
+                      f"certificate chain and its private key ({exc.reason or exc})") from None
+    if security.tls_client_ca is not None:
+        try:
+            context.load_verify_locations(cafile=security.tls_client_ca)
+        except ssl.SSLError as exc:
+            raise OSError(f"--tls-client-ca {security.tls_client_ca} cannot be used: not a PEM CA certificate "
+                          f"({exc.reason or exc})") from None
 
 
 def bind(server: grpc.aio.Server, address: str, security: ServerSecurity) -> int:
@@ -62,9 +88,9 @@ def bind(server: grpc.aio.Server, address: str, security: ServerSecurity) -> int
         else:
             port = server.add_secure_port(address, credentials)
     except RuntimeError as exc:
-        raise OSError(f"could not bind {address}: {exc}") from exc
+        raise OSError(f"could not bind {address} (in use by another process?): {exc}") from exc
     if port == 0:
-        raise OSError(f"could not bind {address}")
+        raise OSError(f"could not bind {address} (in use by another process?)")
     return port
 
 

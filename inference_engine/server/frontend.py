@@ -21,7 +21,7 @@ from inference_engine.errors import Unauthenticated
 from inference_engine.runtime.runtime import Runtime
 from inference_engine.security.auth_interceptor import BearerAuthInterceptor
 from inference_engine.security.authenticator import Authenticator
-from inference_engine.security.credentials import bind
+from inference_engine.security.credentials import SERVER_OPTIONS, bind
 from inference_engine.server.decode_guard import DecodeGuard
 from inference_engine.server.error_details import abort_with
 from inference_engine.server.health import RUNTIME_SERVICE, HealthReporter
@@ -81,7 +81,7 @@ async def open_frontend(cfg: ServerConfig, host: str, port: int) -> Frontend:
     if authenticator.tokens is not None:
         interceptors.append(BearerAuthInterceptor(authenticator, reject=_reject))
     interceptors.append(DecodeGuard())
-    server = grpc.aio.server(interceptors=interceptors)
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
     servicer = TransferServicer(identify=authenticator.identity_of)  # RuntimeServicer + the snapshot RPCs
     pb_grpc.add_RuntimeServiceServicer_to_server(servicer, server)
     health = HealthReporter()

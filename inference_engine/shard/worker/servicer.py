@@ -11,7 +11,7 @@ import grpc
 
 from inference_engine.errors import InvalidRequest, RuntimeServiceError, SessionNotFound
 from inference_engine.security.auth_interceptor import token_interceptors
-from inference_engine.security.credentials import bind
+from inference_engine.security.credentials import SERVER_OPTIONS, bind
 from inference_engine.security.settings import ServerSecurity
 from inference_engine.shard.protocol.errors import ShardUnavailable, code_of
 from inference_engine.shard.protocol.status_codes import grpc_status_of
@@ -147,7 +147,7 @@ async def start_shard_server(engine: ShardEngine, host: str, port: int, max_cred
     interceptors = token_interceptors(security)
     engine.load()
     servicer = ShardRuntimeServicer(engine, max_credits=max_credits)
-    server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=interceptors)
+    server = grpc.aio.server(options=[*CHANNEL_OPTIONS, *SERVER_OPTIONS], interceptors=interceptors)
     pb_grpc.add_ShardRuntimeServicer_to_server(servicer, server)
     bound = bind(server, f"{host}:{port}", security)
     await server.start()
