@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -137,6 +138,25 @@ def add_weights_flag(parser: argparse.ArgumentParser, default: str) -> None:
                         "converted fp32 weights")
 
 
+def prepare_private_folder(folder: Path) -> None:
+    """Create `folder` if missing, 0700 (it holds sessions' token logs and K/V), and check a file can be made in it.
+
+    Raises:
+        OSError: it is not a folder, or cannot be created or written (e.g. read-only, immutable, another
+            owner's); `strerror` names the folder and the cause.
+    """
+    probe = folder / f".write-probe-{os.getpid()}"
+    try:
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # A real write: permission bits say nothing for root, a read-only mount or `chattr +i`.
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
+        probe.unlink()
+    except FileExistsError as exc:  # mkdir(exist_ok=True) on a regular file
+        raise OSError(errno.ENOTDIR, f"{folder} exists and is not a folder") from exc
+    except OSError as exc:
+        raise OSError(exc.errno, f"{folder} is not a writable folder ({exc.strerror or exc})") from exc
+
+
 def _draft_choice(flag: str | None, model: str) -> str | None:
     if flag is None:
         return DRAFT_MODEL if model == DEFAULT_MODEL else None
@@ -151,8 +171,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     """Build the ServerConfig from parsed flags (and the cache-dir environment variable).
 
     Raises:
-        ValueError: a flag is out of range, security flags are incomplete, or a non-loopback
-            --host lacks TLS and authentication without --insecure-public.
+        ValueError: a flag is out of range, security flags are incomplete, a non-loopback
+            --host lacks TLS and authentication without --insecure-public, or --snapshot-dir /
+            --persist-sessions is not a writable folder (each is created, 0700, if missing).
         OSError: the --shard-token-file cannot be read.
     """
     cfg = ServerConfig(
@@ -183,6 +204,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         "--max-batch-rows": cfg.max_batch_rows >= 0,
         "--append-rows": cfg.append_rows >= 0,
         "--session-ttl": cfg.session_ttl_s > 0,
+        "--grace": cfg.grace_s >= 0,
         "--shards": all(a.rpartition(":")[0] and a.rpartition(":")[2].isdigit() for a in cfg.shards),
         "--spawn-shards": all(r.count(":") == 1 and r.replace(":", "").isdigit() for r in cfg.spawn_shards),
         "--shard-recovery-timeout": cfg.shard_recovery_timeout_s > 0,
@@ -195,4 +217,14 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     if bad:
         raise ValueError(f"out-of-range flags: {', '.join(bad)}")
     check_exposure(cfg.host, cfg.security)
+    s = cfg.shard_security
+    if not cfg.shards and (s.ca_file or s.cert_file or s.token):
+        raise ValueError("--shard-tls-ca, --shard-tls-cert/--shard-tls-key and --shard-token-file secure the "
+                         "connection to --shards workers; without --shards nothing would use them")
+    for flag, folder in (("--snapshot-dir", cfg.snapshot_dir), ("--persist-sessions", cfg.persist_dir)):
+        if folder is not None:  # found now, not by the first call or the first (silently failing) write
+            try:
+                prepare_private_folder(folder)
+            except OSError as exc:
+                raise ValueError(f"{flag}: {exc.strerror}") from exc
     return cfg

@@ -96,6 +96,17 @@ def test_bad_flag_is_a_usage_error():
     assert out.returncode == 2 and "--max-sessions" in out.stderr
 
 
+def test_a_folder_flag_that_cannot_hold_files_is_a_usage_error(tmp_path):
+    """Refused before the model loads, naming the flag, the folder and the cause (even as root)."""
+    a_file = tmp_path / "a-file"
+    a_file.write_bytes(b"x")
+    for flag in ("--persist-sessions", "--snapshot-dir"):
+        out = subprocess.run([sys.executable, "-m", "inference_engine", "serve", "--port", "0", flag,
+                              str(a_file / "sub")], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2, out.stderr
+        assert f"{flag}: {a_file / 'sub'} is not a writable folder (Not a directory)" in out.stderr
+
+
 def test_prepare_model_prints_folders(real_model_path):
     out = subprocess.run([sys.executable, "-m", "inference_engine", "prepare-model"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0

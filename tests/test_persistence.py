@@ -199,3 +199,93 @@ def test_flags_build_the_config(tmp_path):
     for bad in (["--persist-every", "0"], ["--persist-interval", "-1"], ["--max-snapshot-bytes", "0"]):
         with pytest.raises(ValueError, match=bad[0]):
             config_from_args(parser.parse_args(bad))
+
+
+def _parsed(*flags: str):
+    import argparse
+
+    from inference_engine.config import add_server_flags, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_server_flags(parser)
+    return config_from_args(parser.parse_args(list(flags)))
+
+
+@pytest.mark.parametrize("flag", ["--persist-sessions", "--snapshot-dir"])
+def test_a_folder_flag_that_cannot_hold_files_is_refused_at_start_up(tmp_path, monkeypatch, flag):
+    """Not by the first write (which would log a WARNING per call and lose every session at SIGTERM)."""
+    a_file = tmp_path / "a-file"
+    a_file.write_bytes(b"x")
+    sub = a_file / "sub"  # refused even for root, whom permission bits do not stop
+    for folder, message in ((a_file, f"{a_file} exists and is not a folder"),
+                            (sub, f"{sub} is not a writable folder (Not a directory)")):
+        with pytest.raises(ValueError) as err:
+            _parsed(flag, str(folder))
+        assert str(err.value) == f"{flag}: {message}"
+    made = tmp_path / "new" / "folder"
+    assert _parsed(flag, str(made)) and made.is_dir() and made.stat().st_mode & 0o777 == 0o700  # made, private
+    assert list(made.iterdir()) == []  # the probe file is gone
+
+    def read_only(path, *args):  # what a read-only mount or `chattr +i` does, even to root
+        raise OSError(30, "Read-only file system", str(path))
+
+    monkeypatch.setattr(os, "open", read_only)
+    with pytest.raises(ValueError, match=f"^{flag}: {made} is not a writable folder \\(Read-only file system\\)$"):
+        _parsed(flag, str(made))
+
+
+async def test_open_persistence_refuses_a_folder_it_cannot_write(engine, tmp_path, monkeypatch):
+    """The same check when the runtime is built without the flags: the server stops before SERVING."""
+    (tmp_path / "a-file").write_bytes(b"x")
+    async with serving(engine) as served:
+        with pytest.raises(NotADirectoryError, match="a-file/sub is not a writable folder"):
+            await open_persistence(SessionTransfer(served.runtime), tmp_path / "a-file" / "sub", 1, 0)
+
+        def denied(path, *args):
+            raise PermissionError(13, "Permission denied", str(path))
+
+        monkeypatch.setattr(os, "open", denied)
+        with pytest.raises(PermissionError, match=r"is not a writable folder \(Permission denied\)"):
+            await open_persistence(SessionTransfer(served.runtime), tmp_path, 1, 0)
+
+
+async def test_files_are_private_whatever_the_umask(engine, tmp_path):
+    folder = tmp_path / "sessions"
+    previous = os.umask(0)  # the most permissive: nothing but the code keeps other users out
+    try:
+        async with serving(engine) as served:
+            p = await open_persistence(SessionTransfer(served.runtime), folder, 1, 0)
+            sid = (await served.stub().CreateSession(pb.CreateSessionRequest())).session_id
+            await _settled(p)
+            assert folder.stat().st_mode & 0o777 == 0o700 and p.path(sid).stat().st_mode & 0o777 == 0o600
+            p.path(sid).chmod(0o644)  # a file written by an earlier version is replaced by a private one
+            await served.stub().AppendTokens(pb.AppendTokensRequest(session_id=sid, tokens=PROMPT[:3]))
+            await _settled(p)
+            assert p.path(sid).stat().st_mode & 0o777 == 0o600 and _history(p.path(sid)) == 3
+            await p.close()
+    finally:
+        os.umask(previous)
+    leftover = tmp_path / ".x.iesnap.tmp-1"
+    target = tmp_path / "x.iesnap"
+    leftover.write_bytes(b"old")
+    leftover.chmod(0o666)
+    snapshot_files.write_atomic(target, b"new")
+    assert target.stat().st_mode & 0o777 == 0o600
+
+
+async def test_the_restore_names_the_limit_that_stops_it(engine, tmp_path, caplog):
+    async with serving(engine) as served:
+        p = await open_persistence(SessionTransfer(served.runtime), tmp_path, 1, 0)
+        for _ in range(3):
+            await served.stub().CreateSession(pb.CreateSessionRequest())
+        per_session = served.runtime.store.kv_bytes_in_use() // 3
+        await _settled(p)
+        await p.close()
+    async with serving(engine, max_kv_bytes=per_session * 3 // 2) as served:  # room for one, 8 slabs
+        assert await SessionPersistence(SessionTransfer(served.runtime), tmp_path).restore_all() == 1
+    assert f"--max-kv-bytes {per_session * 3 // 2} reached: session-" in caplog.text
+    assert "--max-sessions" not in caplog.text and "--max-kv-bytes is" in caplog.text  # the store's numbers too
+    caplog.clear()
+    async with serving(engine, max_sessions=2) as served:
+        assert await SessionPersistence(SessionTransfer(served.runtime), tmp_path).restore_all() == 2
+    assert "--max-sessions 2 reached: session-" in caplog.text and "--max-kv-bytes" not in caplog.text

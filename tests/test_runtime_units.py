@@ -169,5 +169,13 @@ def test_config_from_flags(monkeypatch, tmp_path):
     assert cfg.port == 0 and not cfg.exact and cfg.default_window == 32 and cfg.cache_dir == tmp_path
     with pytest.raises(ValueError, match="--default-window"):
         config_mod.config_from_args(parser.parse_args(["--default-window", "9000"]))
+    with pytest.raises(ValueError, match="out-of-range flags: --grace"):
+        config_mod.config_from_args(parser.parse_args(["--grace", "-1"]))
+    token = tmp_path / "token"
+    token.write_text("a-long-enough-shard-token-for-the-test-0123456789\n")
+    with pytest.raises(ValueError, match="without --shards nothing would use them"):  # not silently ignored
+        config_mod.config_from_args(parser.parse_args(["--shard-token-file", str(token)]))
+    assert config_mod.config_from_args(parser.parse_args(["--shard-token-file", str(token), "--shards",
+                                                          "127.0.0.1:1"])).shard_security.token
     monkeypatch.delenv("INFERENCE_ENGINE_CACHE")
     assert config_mod.default_cache_dir().name == "inference_engine"

@@ -23,7 +23,8 @@ def test_security_flags(tmp_path, caplog):
     tokens = token_file(tmp_path, TOKEN_A)
     cfg = config_mod.config_from_args(parser.parse_args(
         ["--host", "0.0.0.0", "--tls-cert", "c.pem", "--tls-key", "k.pem", "--auth-token-file", str(tokens),
-         "--shard-tls-ca", "ca.pem", "--shard-token-file", str(tokens), "--metrics-port", "9100"]))
+         "--shard-tls-ca", "ca.pem", "--shard-token-file", str(tokens), "--shards", "10.0.0.2:50061",
+         "--metrics-port", "9100"]))
     assert cfg.security.is_tls and cfg.security.has_tokens and not cfg.security.is_mtls
     assert cfg.shard_security.is_tls and cfg.shard_security.token == TOKEN_A and TOKEN_A not in repr(cfg)
     assert cfg.metrics_port == 9100 and cfg.metrics_host == "127.0.0.1"

@@ -7,7 +7,9 @@ import asyncio
 import dataclasses
 import hashlib
 import json
+import os
 import struct
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -18,6 +20,7 @@ from grpc_status import rpc_status
 from inference_engine.client.snapshots import restore_bytes, snapshot_bytes
 from inference_engine.errors import InvalidRequest
 from inference_engine.model.loader import random_model
+from inference_engine.runtime import session_transfer as session_transfer_module
 from inference_engine.runtime.engine import Engine
 from inference_engine.runtime.session_transfer import RestoreParams, SessionTransfer
 from inference_engine.security.settings import ClientSecurity, ServerSecurity
@@ -297,3 +300,58 @@ async def test_concurrent_restores_for_the_last_slot(engine):
         results = await asyncio.gather(restore_bytes(stub, data), restore_bytes(stub, data), return_exceptions=True)
         codes = sorted(r.code().name if isinstance(r, grpc.aio.AioRpcError) else "OK" for r in results)
         assert codes == ["OK", "RESOURCE_EXHAUSTED"] and runtime.store.slabs_in_use == 2
+
+
+async def test_snapshot_folder_and_files_are_private(engine, tmp_path):
+    folder = tmp_path / "snaps"  # named but not made yet: made at the first to_dir, 0700
+    previous = os.umask(0)  # the most permissive: nothing but the code keeps other users out
+    try:
+        async with running_server(engine, snapshot_dir=folder) as (stub, runtime):
+            sid = await _session(stub)
+            (msg,) = [m async for m in stub.SnapshotSession(pb.SnapshotSessionRequest(session_id=sid, to_dir=True))]
+    finally:
+        os.umask(previous)
+    assert folder.stat().st_mode & 0o777 == 0o700 and (folder / msg.file).stat().st_mode & 0o777 == 0o600
+
+
+async def test_a_snapshot_folder_that_fails_at_call_time_is_failed_precondition(engine, tmp_path, monkeypatch):
+    """The folder was fine at start-up, then replaced by a file, removed or filled: a classified error naming
+    the cause and what to do instead, never INTERNAL; nothing left behind, the session intact."""
+    folder = tmp_path / "snaps"
+    async with running_server(engine, snapshot_dir=folder) as (stub, runtime):
+        sid = await _session(stub)
+        (msg,) = [m async for m in stub.SnapshotSession(pb.SnapshotSessionRequest(session_id=sid, to_dir=True))]
+        before = await _info(stub, sid)
+
+        def disk_full(path, data):
+            raise OSError(28, "No space left on device", str(path))
+
+        monkeypatch.setattr(session_transfer_module, "write_atomic", disk_full)
+        err = await _error(_drain(stub.SnapshotSession(pb.SnapshotSessionRequest(session_id=sid, to_dir=True))))
+        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and _reason(err) == "FAILED_PRECONDITION"
+        assert err.details() == "the server's snapshot folder could not be written (No space left on device); take " \
+            "the snapshot as bytes instead (to_dir false)"
+        monkeypatch.undo()
+
+        def unreadable(self):
+            raise PermissionError(13, "Permission denied", str(self))
+
+        monkeypatch.setattr(Path, "read_bytes", unreadable)
+        err = await _error(stub.RestoreSession(iter([pb.RestoreSessionRequest(file=msg.file)])))
+        monkeypatch.undo()
+        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "could not be read (Permission denied)" in \
+            err.details() and "send the snapshot's bytes instead" in err.details()
+
+        (folder / msg.file).unlink()
+        folder.rmdir()
+        folder.write_bytes(b"not a folder")  # replaced by a regular file
+        err = await _error(_drain(stub.SnapshotSession(pb.SnapshotSessionRequest(session_id=sid, to_dir=True))))
+        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "could not be created (it is not a folder)" in \
+            err.details()
+        err = await _error(stub.RestoreSession(iter([pb.RestoreSessionRequest(file=msg.file)])))
+        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "it is not a folder" in err.details()
+        assert folder.read_bytes() == b"not a folder" and runtime.store.slabs_in_use == 1
+        assert (await _info(stub, sid)).state_digest == before.state_digest
+        folder.unlink()  # removed meanwhile: made again
+        (msg,) = [m async for m in stub.SnapshotSession(pb.SnapshotSessionRequest(session_id=sid, to_dir=True))]
+        assert [p.name for p in folder.iterdir()] == [msg.file]

@@ -15,7 +15,9 @@ Policy (README: "Persistence"):
 - At start-up, before the server reports SERVING, every file is restored with its id and
   owner (same checks as RestoreSession): clients continue as if nothing happened. A file
   that is damaged or was written by an incompatible server is renamed `*.rejected` and
-  logged, never half restored; files beyond `--max-sessions` stay for a later start.
+  logged, never half restored; files beyond `--max-sessions` or `--max-kv-bytes` stay for a later start.
+- The folder is created 0700 and checked writable at start-up (a folder that is not one, or cannot
+  be written, stops the server there rather than losing every session at shutdown); files are 0600.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import logging
 import time
 from pathlib import Path
 
+from inference_engine.config import prepare_private_folder
 from inference_engine.errors import PoolExhausted, RuntimeServiceError
 from inference_engine.runtime.session_transfer import SessionTransfer
 from inference_engine.runtime.snapshot_files import SUFFIX, fsync_dir, remove_temporaries, write_atomic
@@ -69,10 +72,10 @@ class SessionPersistence:
         """Bring back every session in the folder with its id and owner; returns how many.
 
         Raises:
-            OSError: the folder cannot be created or read.
+            OSError: the folder is not a folder, or cannot be created, written or read.
         """
         started = time.perf_counter()
-        self.folder.mkdir(parents=True, exist_ok=True)
+        prepare_private_folder(self.folder)  # fail now, not at every write (and lose every session at shutdown)
         if removed := remove_temporaries(self.folder):
             log.warning("removed %d partial session file(s) left by an interrupted write", removed)
         restored = 0
@@ -83,9 +86,12 @@ class SessionPersistence:
                 if i is None or self.path(i.session_id) != path:
                     raise RuntimeServiceError(f"{path.name} does not name the session it holds")
                 await self.transfer.adopt(snap, i.session_id, i.owner, i.created_ns)
-            except PoolExhausted:
-                log.warning("--max-sessions %d reached: %s and later session files stay on disk for a later start",
-                            self.store.max_sessions, path.name)
+            except PoolExhausted as exc:  # the slabs or the K/V bytes ran out: name the flag that bounds them
+                store = self.store
+                limit = (f"--max-sessions {store.max_sessions}" if store.slabs_in_use >= store.max_sessions
+                         else f"--max-kv-bytes {store.max_kv_bytes}")
+                log.warning("%s reached: %s and later session files stay on disk for a later start (%s)", limit,
+                            path.name, exc)
                 break
             except (RuntimeServiceError, OSError) as exc:
                 rejected = path.with_name(path.name + ".rejected")
@@ -207,7 +213,7 @@ async def open_persistence(transfer: SessionTransfer, folder: Path | None, every
     """Restore the sessions of `folder` and follow the store from now on (None without a folder).
 
     Raises:
-        OSError: the folder cannot be created or read.
+        OSError: the folder is not a folder, or cannot be created, written or read.
     """
     if folder is None:
         return None

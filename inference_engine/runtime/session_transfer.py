@@ -18,12 +18,14 @@ brings sessions back with their ids and owners.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import hashlib
 import json
 import logging
 import secrets
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -140,8 +142,8 @@ class SessionTransfer:
 
         Raises:
             SessionNotFound: unknown, closed or another identity's.
-            InvariantViolation: `to_dir` on a server without a snapshot folder.
-            OSError: the file could not be written (INTERNAL; nothing was left behind).
+            InvariantViolation: `to_dir` on a server without a snapshot folder, or the file could not be
+                written there (disk full, folder removed or read-only; nothing was left behind).
         """
         session = self.store.get(p.session_id, p.owner)
         folder = self._folder() if p.to_dir else None
@@ -152,7 +154,8 @@ class SessionTransfer:
         if folder is None:
             return SnapshotTaken(data, "", len(data), snap.history_length, snap.state_digest)
         name = f"snap-{session.tag}-{snap.history_length}-{secrets.token_hex(4)}{SUFFIX}"
-        await asyncio.to_thread(write_atomic, folder / name, data)
+        with self._folder_errors(folder, "written", "take the snapshot as bytes instead (to_dir false)"):
+            await asyncio.to_thread(write_atomic, folder / name, data)
         log.info("session %s: snapshot of %d tokens written to %s (%d bytes)", session.tag, snap.history_length, name,
                  len(data))
         return SnapshotTaken(b"", name, len(data), snap.history_length, snap.state_digest)
@@ -167,12 +170,13 @@ class SessionTransfer:
             SnapshotIncompatible: another format version, model, tokenizer, kernels, block size,
                 mode, or a sink/window over this server's limits.
             InvalidRequest: no such file (or another identity's).
+            InvariantViolation: `file` without a snapshot folder, or the file could not be read.
             PoolExhausted: no slab is free.
             EngineUnavailable: the server is shutting down (a session made now would not outlive it).
         """
         self.runtime.check_serving()
         self.store.reserve()  # fail fast before reading anything
-        data = p.data if not p.file else await asyncio.to_thread(resolve(self._folder(), p.file).read_bytes)
+        data = p.data if not p.file else await self._read_file(p.file)
         snap = await asyncio.to_thread(decode, data)
         if p.file and (snap.identity is None or snap.identity.owner != p.owner):
             raise InvalidRequest(f"there is no snapshot file {p.file!r} in the snapshot folder", "file")
@@ -251,13 +255,38 @@ class SessionTransfer:
         if bad:
             raise SnapshotCorrupt(f"the snapshot does not fit this model: {'; '.join(bad)}", "data")
 
+    async def _read_file(self, name: str) -> bytes:
+        """The bytes of the snapshot file `name` under the snapshot folder.
+
+        Raises:
+            InvalidRequest: not a plain snapshot file name, or no such file.
+            InvariantViolation: no snapshot folder, or it could not be read.
+        """
+        folder = self._folder()
+        with self._folder_errors(folder, "read", "send the snapshot's bytes instead (data)"):
+            return await asyncio.to_thread(resolve(folder, name).read_bytes)
+
     def _folder(self) -> Path:
         folder = self.config.snapshot_dir
         if folder is None:
             raise InvariantViolation("this server has no snapshot folder (start it with --snapshot-dir DIR); "
                                      "take the snapshot as bytes instead (to_dir false)")
-        folder.mkdir(mode=0o700, parents=True, exist_ok=True)  # a folder named but not made yet is made private
+        with self._folder_errors(folder, "created", "take the snapshot as bytes instead (to_dir false)"):
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)  # a folder named but not made yet is made private
         return folder
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _folder_errors(folder: Path, done: str, instead: str) -> Iterator[None]:
+        """An OSError inside (disk full, folder removed or made read-only since start-up) becomes
+        FAILED_PRECONDITION: the server's folder is what is wrong, not the request, and no traceback helps."""
+        try:
+            yield
+        except OSError as exc:
+            log.warning("snapshot folder %s could not be %s (%s: %s)", folder, done, type(exc).__name__, exc)
+            why = "it is not a folder" if isinstance(exc, (FileExistsError, NotADirectoryError)) else exc.strerror
+            raise InvariantViolation(
+                f"the server's snapshot folder could not be {done} ({why or exc}); {instead}") from exc
 
     @staticmethod
     def _restored(session: Session, snap: SessionSnapshot) -> SessionRestored:

@@ -15,18 +15,22 @@ from inference_engine.errors import InvalidRequest
 
 SUFFIX = ".iesnap"
 TEMP_MARK = ".tmp-"  # in the names of files being written
+FILE_MODE = 0o600  # of every file written here (the folders are 0700)
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 def write_atomic(path: Path, data: bytes) -> None:
-    """Replace `path` with `data` atomically and durably (temp file, fsync, rename, fsync of the folder).
+    """Replace `path` with `data` atomically and durably (temp file, fsync, rename, fsync of the folder),
+    readable and writable by this user only.
 
     Raises:
         OSError: the folder is not writable or the disk is full (the previous file is intact).
     """
     temp = path.with_name(f".{path.name}{TEMP_MARK}{os.getpid()}")
     try:
-        with open(temp, "wb") as f:
+        # 0600 whatever the umask: a session's token log and K/V are its owner's alone.
+        with open(os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE), "wb") as f:
+            os.fchmod(f.fileno(), FILE_MODE)  # a leftover temporary would keep its old mode through O_CREAT
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
