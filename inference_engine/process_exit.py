@@ -32,18 +32,25 @@ def exit_now(status: int) -> None:
     os._exit(status)  # pragma: no cover
 
 
-async def wait_for_stop_signal(parent_pid: int = 0, poll_s: float = 0.5) -> None:
+def stop_event() -> asyncio.Event:
+    """An event that SIGTERM or SIGINT sets from now on (call from the running event loop)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+async def wait_for_stop_signal(parent_pid: int = 0, poll_s: float = 0.5, stop: asyncio.Event | None = None) -> None:
     """Return once SIGTERM or SIGINT arrives (call from the running event loop).
 
     Args:
         parent_pid: also return once this process is no longer our parent (it died, even by
             SIGKILL, and we were re-parented); 0 = only signals.
         poll_s: how often the parent is checked.
+        stop: a `stop_event` installed earlier (a signal that came before this call counts); None: from now.
     """
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop or stop_event()
     if not parent_pid:
         await stop.wait()
         return

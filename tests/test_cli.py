@@ -112,3 +112,20 @@ def test_prepare_model_prints_folders(real_model_path):
     assert out.returncode == 0
     fp32, q4 = out.stdout.split()
     assert fp32 == str(real_model_path) and q4.endswith("q4")
+
+
+def test_sigterm_while_the_model_loads_exits_cleanly(real_model_path):
+    """The stop signal is handled from the start: SIGTERM during the load ends the process with status 0
+    and its log lines, at once (it was killed by the signal's default action: status -15, no log)."""
+    proc = subprocess.Popen([sys.executable, "-m", "inference_engine", "serve", "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stderr:  # bound, NOT_SERVING: the model load starts right after this line
+            if "health NOT_SERVING until the model is loaded" in line:
+                break
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        proc.kill()
+    err = proc.stderr.read()
+    assert "shutting down while the model loads" in err and "stopped" in err and "listening" not in proc.stdout.read()

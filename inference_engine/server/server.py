@@ -26,7 +26,7 @@ from inference_engine.gc_freeze import freeze_startup_objects
 from inference_engine.model.gguf_blocks import has_blocks
 from inference_engine.model.loader import LoadedModel, load_model, model_fingerprint
 from inference_engine.model.packaged import DRAFT_MODEL, resolve_model_path
-from inference_engine.process_exit import wait_for_stop_signal
+from inference_engine.process_exit import exit_now, stop_event, wait_for_stop_signal
 from inference_engine.readiness import announce
 from inference_engine.runtime.engine import Engine
 from inference_engine.runtime.persistence import open_persistence
@@ -161,7 +161,12 @@ async def start_server(runtime: Runtime, host: str, port: int) -> tuple[grpc.aio
 
 
 async def serve(cfg: ServerConfig) -> None:
-    """Serve until SIGTERM/SIGINT, then drain in-flight RPCs for `grace_s` and exit."""
+    """Serve until SIGTERM/SIGINT, then drain in-flight RPCs for `grace_s` and exit.
+
+    A signal while the model loads ends the process at once (exit 0): a load cannot be interrupted,
+    and there is nothing to drain yet.
+    """
+    stop = stop_event()  # from the very start: the default action would kill the process mid-load (143)
     frontend = await open_frontend(cfg, cfg.host, cfg.port)
     endpoint = None
     try:
@@ -171,8 +176,16 @@ async def serve(cfg: ServerConfig) -> None:
             endpoint = MetricsEndpoint(cfg.metrics_host, cfg.metrics_port)
             log.info("metrics on http://%s:%d/metrics", endpoint.host, endpoint.port)
         log.info("BLAS in use: %s (1024x1024 fp32 matmul %.1f ms)", active_blas(), await asyncio.to_thread(matmul_ms))
-        engine = await asyncio.to_thread(build_engine, cfg)  # the loop keeps answering health checks meanwhile
-        await _serve_engine(cfg, engine, frontend)
+        loading = asyncio.ensure_future(asyncio.to_thread(build_engine, cfg))  # health checks answered meanwhile
+        stopping = asyncio.ensure_future(stop.wait())
+        await asyncio.wait((loading, stopping), return_when=asyncio.FIRST_COMPLETED)
+        if not loading.done():
+            log.info("shutting down while the model loads: nothing to drain")
+            await frontend.server.stop(None)
+            log.info("stopped")
+            exit_now(0)  # not asyncio.run's wait for the loading thread
+        stopping.cancel()
+        await _serve_engine(cfg, loading.result(), frontend, stop)
     finally:
         await frontend.server.stop(None)  # already stopped unless start-up failed
         if endpoint is not None:
@@ -180,7 +193,7 @@ async def serve(cfg: ServerConfig) -> None:
     log.info("stopped")
 
 
-async def _serve_engine(cfg: ServerConfig, engine: Engine, frontend: Frontend) -> None:
+async def _serve_engine(cfg: ServerConfig, engine: Engine, frontend: Frontend, stop: asyncio.Event) -> None:
     route = supervisor = None
     try:
         route, supervisor = await connect_shards(cfg, engine)
@@ -190,7 +203,7 @@ async def _serve_engine(cfg: ServerConfig, engine: Engine, frontend: Frontend) -
         freeze_startup_objects()  # before SERVING: a full collection would stall every stream
         await frontend.attach(runtime)
         announce(cfg.host, frontend.port)
-        await wait_for_stop_signal()
+        await wait_for_stop_signal(stop=stop)
         log.info("shutting down: NOT_SERVING, ending streams, draining in-flight RPCs for up to %.1fs", cfg.grace_s)
         started = time.monotonic()
         await frontend.health.drain()
