@@ -58,6 +58,7 @@ class ServerConfig:
     shards: tuple[str, ...] = ()  # host:port of running shard workers, head first (() = layers run here)
     spawn_shards: tuple[str, ...] = ()  # layer ranges START:END of workers this server spawns and restarts
     shard_recovery_timeout_s: float = 60.0  # how long a call waits for a silent shard route before UNAVAILABLE
+    shard_step_timeout_s: float = 30.0  # a worker silent this long on a step has failed (at most the above)
     security: ServerSecurity = field(default_factory=ServerSecurity)  # TLS, mTLS, bearer tokens of the RuntimeService port
     shard_security: ClientSecurity = field(default_factory=ClientSecurity)  # what this server presents to --shards workers
     metrics_host: str = "127.0.0.1"  # address of the Prometheus endpoint
@@ -111,6 +112,9 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
                         help="spawn and supervise one shard worker per layer range (restarted if it dies)")
     parser.add_argument("--shard-recovery-timeout", type=float, default=d.shard_recovery_timeout_s,
                         help="seconds a call waits for a silent shard route before failing UNAVAILABLE")
+    parser.add_argument("--shard-step-timeout", type=float, default=d.shard_step_timeout_s,
+                        help="seconds a shard worker may take to answer one step before it counts as failed and the "
+                        "session is restored by replay (at most --shard-recovery-timeout)")
     add_server_security_flags(parser)
     add_client_security_flags(parser, "shard-", "the --shards workers")
     parser.add_argument("--metrics-port", type=int, default=d.metrics_port,
@@ -186,7 +190,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         session_ttl_s=args.session_ttl, exact=not args.no_exact, max_tile=args.max_tile, grace_s=args.grace,
         max_batch_rows=args.max_batch_rows, append_rows=args.append_rows,
         shards=_split(args.shards), spawn_shards=_split(args.spawn_shards),
-        shard_recovery_timeout_s=args.shard_recovery_timeout,
+        shard_recovery_timeout_s=args.shard_recovery_timeout, shard_step_timeout_s=args.shard_step_timeout,
         security=server_security_from_args(args), shard_security=client_security_from_args(args, "shard-"),
         metrics_host=args.metrics_host, metrics_port=args.metrics_port,
         snapshot_dir=args.snapshot_dir, max_snapshot_bytes=args.max_snapshot_bytes, persist_dir=args.persist_sessions,
@@ -208,6 +212,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         "--shards": all(a.rpartition(":")[0] and a.rpartition(":")[2].isdigit() for a in cfg.shards),
         "--spawn-shards": all(r.count(":") == 1 and r.replace(":", "").isdigit() for r in cfg.spawn_shards),
         "--shard-recovery-timeout": cfg.shard_recovery_timeout_s > 0,
+        "--shard-step-timeout": cfg.shard_step_timeout_s > 0,
         "--metrics-port": 0 <= cfg.metrics_port <= 65535,
         "--max-snapshot-bytes": cfg.max_snapshot_bytes >= 1,
         "--persist-every": cfg.persist_every >= 1,

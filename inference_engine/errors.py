@@ -57,5 +57,13 @@ class EngineUnavailable(RuntimeServiceError):
     """The compute engine is gone or shutting down (UNAVAILABLE)."""
 
 
+class EngineShutdown(EngineUnavailable):
+    """The engine is shutting down (UNAVAILABLE; a stream it ends gets its final message, stop reason CANCELLED).
+
+    Only this ends a stream "normally": any other EngineUnavailable (a shard route that stopped
+    answering) fails it, so a client can tell a drained server from a call that failed.
+    """
+
+
 class FeatureUnavailable(RuntimeServiceError):
     """The served model cannot do what was asked (no tokenizer, no chat template) (FAILED_PRECONDITION)."""

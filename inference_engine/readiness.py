@@ -7,10 +7,12 @@ One place writes it and one place waits for it, for every process that starts an
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import subprocess
 import time
 
 PREFIX = "listening on "
+EXIT_WAIT_S = 5.0  # a process whose output ended gets this long to exit before it is killed
 
 
 def announce(host: str, port: int) -> None:
@@ -59,12 +61,17 @@ async def wait_ready_async(proc: asyncio.subprocess.Process, timeout_s: float = 
                 return address
         return None
 
+    wait_s = EXIT_WAIT_S  # its output ended: it is exiting
     try:
         address = await asyncio.wait_for(first_ready(), timeout_s)
     except asyncio.TimeoutError:
-        address = None
+        address, wait_s = None, 0.0  # silent too long: killed now
     if address is not None:
         return address
+    # An exiting process is not killed: `kill` polls it first, which can reap it behind asyncio's child
+    # watcher, and the watcher then reports "exit status 255" (logging "Unknown child process pid").
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(proc.wait(), wait_s)
     if proc.returncode is None:
         proc.kill()
     await proc.wait()

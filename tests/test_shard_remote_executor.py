@@ -5,11 +5,14 @@ UNAVAILABLE, several sessions' blocks go out together, and closing frees the wor
 
 import asyncio
 import contextlib
+import time
 
+import grpc
 import numpy as np
 import pytest
 
 from inference_engine.runtime.engine import Engine
+from inference_engine.server.server import connect_shards
 from inference_engine.shard.client.route import ShardRoute
 from inference_engine.shard.client.route_backend import RemoteExecutor, RouteBackend
 from inference_engine.shard.protocol.errors import ShardUnavailable
@@ -17,7 +20,7 @@ from inference_engine.shard.protocol.types import LayerRange
 from inference_engine.shard.worker.mlx_engine import MlxShardEngine
 from inference_engine.v1 import runtime_pb2 as pb
 from inference_engine.verifier.sink_window_verifier import SinkWindowVerifier
-from tests.conftest import running_server
+from tests.conftest import make_config, running_server
 from tests.fixtures.fault_config import FaultConfig
 from tests.fixtures.fault_injection import FaultInjectingEngine
 from tests.shard_helpers import shard_server
@@ -192,3 +195,144 @@ async def test_close_session_and_expiry_free_the_workers_slots(tiny):
         assert await _sessions_on(workers, 1) == [1, 1]
         await asyncio.sleep(1.5)  # the other one expires (the sweeper runs every ttl/4)
         assert await _sessions_on(workers, 0) == [0, 0]
+
+
+@contextlib.asynccontextmanager
+async def _connected(tiny, **config):
+    """As `_served`, the route built by the server's own `connect_shards` from a ServerConfig with `config`."""
+    head = MlxShardEngine(tiny.model, LayerRange(0, 1), block=8, max_rollback=9)
+    tail = FaultInjectingEngine(MlxShardEngine(tiny.model, LayerRange(1, 2), block=8, max_rollback=9))
+    engine = Engine(tiny, exact=True, max_tile=4, plain_block=64, max_rollback=8)
+    async with contextlib.AsyncExitStack() as stack:
+        addresses = tuple([(await stack.enter_async_context(shard_server(e)))[1] for e in (head, tail)])
+        route, _ = await connect_shards(make_config(shards=addresses, **config), engine)
+        try:
+            yield engine, tail
+        finally:
+            route.is_closed = True
+            engine.close()
+            await route.stop()
+
+
+async def _reference(tiny, n: int) -> tuple[list[int], str]:
+    """One process: `n` greedy tokens after TOKENS[:9], and the session's digest after them."""
+    local = Engine(tiny, exact=True, max_tile=4, plain_block=64, max_rollback=8)
+    try:
+        async with running_server(local) as (stub, _):
+            sid = await _session(stub)
+            tokens = await _generate(stub, sid, n)
+            return tokens, (await stub.GetSessionInfo(pb.GetSessionInfoRequest(session_id=sid))).state_digest
+    finally:
+        local.close()
+
+
+async def _session(stub) -> str:
+    sid = (await stub.CreateSession(pb.CreateSessionRequest(sink_tokens=SINK, window_tokens=WINDOW))).session_id
+    await stub.AppendTokens(pb.AppendTokensRequest(session_id=sid, tokens=TOKENS[:9]))
+    return sid
+
+
+async def _generate(stub, sid: str, n: int, got: list[int] | None = None, after=None) -> list[int]:
+    """`n` greedy tokens into `got`; `after(len(got))` runs after each message."""
+    got = [] if got is None else got
+    async for msg in stub.Generate(pb.GenerateRequest(session_id=sid, max_new_tokens=n, ignore_eos=True)):
+        got += msg.tokens
+        if after is not None:
+            after(len(got))
+    return got
+
+
+async def test_a_generate_on_a_dead_route_fails_unavailable_and_keeps_what_it_sent(tiny):
+    """The tail dies mid-stream and stays dead: the stream fails UNAVAILABLE after the recovery timeout
+    (not OK with stop reason CANCELLED, which means closed or shutting down), a Generate started then
+    too; the sent tokens stay in the history and, the tail back, the session continues exactly."""
+    want, digest = await _reference(tiny, 24)
+    async with _connected(tiny, shard_recovery_timeout_s=1.0) as (engine, tail), running_server(engine) as (stub, _):
+        sid = await _session(stub)
+        got: list[int] = []
+        died: list[float] = []
+
+        def kill(sent: int) -> None:
+            if sent >= 5 and not died:
+                tail.inject(FaultConfig(crash_after=1), calls=1)
+                died.append(time.monotonic())
+
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await asyncio.wait_for(_generate(stub, sid, 24, got, kill), 30)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+        assert "the session is kept" in err.value.details() and "retry shortly" in err.value.details()
+        assert time.monotonic() - died[0] < 1.0 + 3.0  # the recovery timeout, not more
+        assert 5 <= len(got) < 24 and got == want[: len(got)]
+        started = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError) as err:  # still down: no token, UNAVAILABLE
+            await _generate(stub, sid, 4)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and 0.9 < time.monotonic() - started < 4.0
+        tail.inject(FaultConfig())
+        info = await stub.GetSessionInfo(pb.GetSessionInfoRequest(session_id=sid))
+        assert info.history_length == 9 + len(got)  # what the client saw, nothing more
+        got += await _generate(stub, sid, 24 - len(got))
+        assert got == want
+        assert (await stub.GetSessionInfo(pb.GetSessionInfoRequest(session_id=sid))).state_digest == digest
+
+
+async def test_a_hung_worker_is_given_up_on_at_the_configured_deadlines(tiny):
+    """The tail stops answering mid-stream (each step sleeps HANG_S): the step deadline
+    (--shard-step-timeout) fails it, and the call ends UNAVAILABLE once the route has been silent
+    for the recovery timeout since the step went out, not after the former fixed 120 s; the
+    session then continues exactly."""
+    hang_s = 6.0
+    want, digest = await _reference(tiny, 24)
+    async with _connected(tiny, shard_recovery_timeout_s=3.0, shard_step_timeout_s=1.0) as (engine, tail), \
+            running_server(engine) as (stub, _):
+        assert engine.backend.route.pipeline.step_timeout_s == 1.0  # from the ServerConfig
+        sid = await _session(stub)
+        got: list[int] = []
+        hung: list[float] = []
+
+        def hang(sent: int) -> None:
+            if sent >= 5 and not hung:
+                tail.inject(FaultConfig(delay_s=hang_s))
+                hung.append(time.monotonic())
+
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await asyncio.wait_for(_generate(stub, sid, 24, got, hang), 12)  # each step answers after 6 s otherwise
+        elapsed = time.monotonic() - hung[0]
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+        assert "the session is kept" in err.value.details()
+        assert elapsed < 3.0 + 2.0
+        assert got == want[: len(got)]
+        tail.inject(FaultConfig())
+        await asyncio.sleep(max(0.0, hung[0] + hang_s + 0.5 - time.monotonic()))  # the sleeping steps end
+        got += await _generate(stub, sid, 24 - len(got))
+        assert got == want
+        assert (await stub.GetSessionInfo(pb.GetSessionInfoRequest(session_id=sid))).state_digest == digest
+
+
+async def test_a_session_closed_while_its_route_is_silent_ends_its_stream_cancelled(tiny):
+    """CANCELLED keeps its meaning: the session was closed (here, while the step waited for a dead route)."""
+    async with _connected(tiny, shard_recovery_timeout_s=1.0) as (engine, tail), \
+            running_server(engine) as (stub, runtime):
+        sid = await _session(stub)
+        tail.inject(FaultConfig(crash_after=1), calls=1)
+        stream = stub.Generate(pb.GenerateRequest(session_id=sid, max_new_tokens=8, ignore_eos=True))
+        for _ in range(100):  # the stream started: its first step waits for the route
+            if runtime._streams:
+                break
+            await asyncio.sleep(0.01)
+        closed = await stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
+        messages = [m async for m in stream]
+        assert [t for m in messages for t in m.tokens] == [] and closed.history_length == 9
+        assert messages[-1].stop_reason == pb.STOP_REASON_CANCELLED
+
+
+async def test_a_route_failure_is_unavailable_but_shutdown_ends_a_stream_cancelled(tiny):
+    """The stop reason CANCELLED is kept for its meaning: the server shutting down (the engine closing)."""
+    async with _connected(tiny) as (engine, _), running_server(engine) as (stub, _):
+        sid = await _session(stub)
+        stream = stub.Generate(pb.GenerateRequest(session_id=sid, max_new_tokens=1000, ignore_eos=True))
+        await stream.read()
+        await asyncio.to_thread(engine.scheduler.close)  # what shutdown does once the streams had their grace
+        last = msg = await stream.read()
+        while msg is not grpc.aio.EOF:
+            last, msg = msg, await stream.read()
+        assert last.stop_reason == pb.STOP_REASON_CANCELLED and await stream.code() == grpc.StatusCode.OK

@@ -220,16 +220,17 @@ async def test_connect_shards_checks_the_route(workers, real_model, real_engine,
 
 @pytest.mark.parametrize("flags,expected", [
     (["--shards", "127.0.0.1:7001, 127.0.0.1:7002"], {"shards": ("127.0.0.1:7001", "127.0.0.1:7002")}),
-    (["--spawn-shards", "0:10,10:30", "--shard-recovery-timeout", "5"],
-     {"spawn_shards": ("0:10", "10:30"), "shard_recovery_timeout_s": 5.0}),
-    ([], {"shards": (), "spawn_shards": ()}),
+    (["--spawn-shards", "0:10,10:30", "--shard-recovery-timeout", "5", "--shard-step-timeout", "2"],
+     {"spawn_shards": ("0:10", "10:30"), "shard_recovery_timeout_s": 5.0, "shard_step_timeout_s": 2.0}),
+    ([], {"shards": (), "spawn_shards": (), "shard_step_timeout_s": 30.0}),
 ])
 def test_shard_flags(flags, expected):
     cfg = config_from_args(_parser().parse_args(flags))
     assert {k: getattr(cfg, k) for k in expected} == expected
 
 
-@pytest.mark.parametrize("flags", [["--shards", "7001"], ["--spawn-shards", "0-10"], ["--shard-recovery-timeout", "0"]])
+@pytest.mark.parametrize("flags", [["--shards", "7001"], ["--spawn-shards", "0-10"], ["--shard-recovery-timeout", "0"],
+                                   ["--shard-step-timeout", "0"]])
 def test_bad_shard_flags(flags):
     with pytest.raises(ValueError, match=flags[0]):
         config_from_args(_parser().parse_args(flags))
@@ -268,3 +269,52 @@ async def test_route_samples_bitwise_the_single_process(workers, real_model, rea
     async with route_engine(real_model, addresses, 5.0) as engine, running_server(engine) as (stub, _):
         got = await run(stub)
     assert got == want and len(want[0]) == 24 and len(set(want[0])) > 5
+
+
+async def test_a_stopped_worker_fails_generate_unavailable_within_the_recovery_timeout(workers, real_model,
+                                                                                     single_process):
+    """A worker that stops answering (SIGSTOP) mid-Generate: the stream fails UNAVAILABLE once the route
+    has been silent for --shard-recovery-timeout (it ended OK with stop reason CANCELLED after a fixed
+    120 s step deadline), keeping the tokens it sent; SIGCONT, and the session continues exactly."""
+    procs, addresses = workers
+    engine = Engine(real_model, exact=True, max_tile=16, plain_block=64, max_rollback=8)
+    route, _ = await connect_shards(make_config(shards=tuple(addresses), shard_recovery_timeout_s=3.0), engine)
+    stopped: list[float] = []
+    try:
+        async with running_server(engine) as (stub, _):
+            created = await stub.CreateSession(pb.CreateSessionRequest(sink_tokens=SINK, window_tokens=WINDOW))
+            sid = created.session_id
+            await stub.AppendTokens(pb.AppendTokensRequest(session_id=sid, tokens=PROMPT))
+            got: list[int] = []
+
+            async def stream() -> None:
+                async for msg in stub.Generate(pb.GenerateRequest(session_id=sid, max_new_tokens=20, ignore_eos=True)):
+                    got.extend(msg.tokens)
+                    if len(got) >= 5 and not stopped:
+                        _kill(procs[1].pid, signal.SIGSTOP)
+                        stopped.append(time.monotonic())
+
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await asyncio.wait_for(stream(), 60)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+            assert "the session is kept" in err.value.details()
+            assert time.monotonic() - stopped[0] < 3.0 + 3.0
+            assert 5 <= len(got) < 20 and got == single_process[0][: len(got)]
+            _kill(procs[1].pid, signal.SIGCONT)
+            stopped.clear()
+            for attempt in range(30):  # "UNAVAILABLE: retry shortly"
+                try:
+                    info = await stub.GetSessionInfo(pb.GetSessionInfoRequest(session_id=sid))
+                    break
+                except grpc.aio.AioRpcError as exc:
+                    assert exc.code() == grpc.StatusCode.UNAVAILABLE and attempt < 29, exc
+                    await asyncio.sleep(0.5)
+            assert info.history_length == len(PROMPT) + len(got)  # what the client saw
+            got += await _generate(stub, sid, 20 - len(got))
+        assert got == single_process[0][:20]
+    finally:
+        if stopped:
+            _kill(procs[1].pid, signal.SIGCONT)
+        route.is_closed = True
+        await asyncio.to_thread(engine.close)
+        await route.stop()

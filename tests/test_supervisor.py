@@ -1,15 +1,24 @@
 """WorkerSupervisor's failure paths with real worker processes: no start, failed restarts, stop."""
 
 import asyncio
+import os
+import signal
 import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
 
 import grpc
 import pytest
 
 from inference_engine.security.credentials import open_channel
-from inference_engine.shard.client.supervisor import WorkerFlags, WorkerSupervisor
+from inference_engine.server.server import connect_shards
+from inference_engine.shard.client.supervisor import WorkerFlags, WorkerSupervisor, check_layer_ranges
 from inference_engine.v1 import shard_runtime_pb2 as spb
 from inference_engine.v1.shard_runtime_pb2_grpc import ShardRuntimeStub
+from tests.conftest import make_config
 
 pytestmark = pytest.mark.real_model
 
@@ -68,3 +77,112 @@ async def test_spawned_workers_require_the_supervisors_token(real_model_path):
     finally:
         await sup.stop()
     assert not token_file.exists()
+
+
+def _processes_naming(path: Path) -> list[int]:
+    """Live processes whose command line names `path` (the workers given that token file)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and str(path).encode() in (entry / "cmdline").read_bytes() \
+                    and (entry / "stat").read_text().split(") ")[1][0] != "Z":
+                pids.append(int(entry.name))
+        except OSError:
+            continue  # it ended meanwhile
+    return pids
+
+
+async def test_a_worker_that_fails_stops_the_others_and_removes_the_token_file(real_model_path):
+    """One worker cannot start (a bad range): the other, still loading, is stopped and the token file goes;
+    the failure names the worker's own exit status (not 255 from a reaped-behind-asyncio's-back child)."""
+    sup = WorkerSupervisor(("0:1", "1:0"), _flags(str(real_model_path)))
+    try:
+        with pytest.raises(OSError, match=r"shard worker 1:0 did not start \(exit status 2\)"):
+            await sup.start()
+        assert sup.token_file is not None and not sup.token_file.exists()
+        assert all(p is not None and p.returncode is not None for p in sup.procs)  # none left loading
+    finally:
+        await sup.stop()
+
+
+async def test_a_cancelled_start_stops_the_workers_and_removes_the_token_file(real_model_path):
+    sup = WorkerSupervisor(("0:1", "1:2"), _flags(str(real_model_path)))
+    start = asyncio.ensure_future(sup.start())
+    try:
+        for _ in range(200):  # both processes exist (loading their layers)
+            if all(p is not None for p in sup.procs):
+                break
+            await asyncio.sleep(0.05)
+        token_file = sup.token_file
+        assert token_file.exists() and not start.done()
+        start.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await start
+        assert not token_file.exists()
+        assert all(p.returncode is not None for p in sup.procs) and _processes_naming(token_file) == []
+    finally:
+        await sup.stop()
+
+
+@pytest.mark.parametrize("ranges,problem", [
+    (("0:10", "12:30"), "layer range 12:30 starts at layer 12, not 10 (layers 10:12 are in no range)"),
+    (("10:40",), "layer range 10:40 starts at layer 10, not 0 (layers 0:10 are in no range)"),
+    (("0:10", "10:40"), "layer range 10:40 ends past the model's 30 layers"),
+    (("0:10", "5:30"), "layer range 5:30 starts at layer 5, not 10 (it overlaps the range before)"),
+    (("0:10", "10:20"), "the ranges end at layer 20; the model has 30 layers"),
+    (("0:10", "10:10", "10:30"), "layer range '10:10' must satisfy 0 <= START < END"),
+])
+def test_layer_ranges_must_cover_the_model_in_order(ranges, problem):
+    with pytest.raises(ValueError) as err:
+        check_layer_ranges(ranges, 30)
+    example = {1: "0:30", 2: "0:15,15:30", 3: "0:10,10:20,20:30"}[len(ranges)]
+    assert str(err.value) == (f"--spawn-shards {','.join(ranges)}: {problem}: the ranges must cover the model's 30 "
+                              f"layers in order without gaps or overlaps, e.g. {example}")
+    check_layer_ranges(("0:10", "10:20", "20:30"), 30)
+    check_layer_ranges(("0:30",), 30)
+
+
+@pytest.mark.parametrize("ranges", [("0:1", "1:3"), ("1:2",), ("0:1",)])
+async def test_spawn_ranges_that_do_not_fit_the_model_fail_before_any_worker_starts(tiny_engine, tmp_path, monkeypatch,
+                                                                                  ranges):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where a token file would be made
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=r"--spawn-shards .*the model's 2 layers"):
+        await connect_shards(make_config(spawn_shards=ranges), tiny_engine)
+    assert time.monotonic() - started < 1.0  # nothing was spawned (a worker takes seconds to load)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_sigterm_while_the_spawned_workers_load_stops_them_and_removes_the_token_file(real_model_path, tmp_path):
+    """`serve --spawn-shards`, SIGTERM as soon as the workers are spawned: the server exits 0 at once,
+    without waiting for them to load, and leaves no worker and no token file behind."""
+    log_path = tmp_path / "server.log"
+    private = tmp_path / "tmp"
+    private.mkdir()
+    with open(log_path, "w") as log_file:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "inference_engine", "serve", "--port", "0", "--spawn-shards", "0:10,10:20,20:30",
+             "--draft-model", "none", "--max-tile", "16"],
+            stdout=subprocess.DEVNULL, stderr=log_file, env={**os.environ, "TMPDIR": str(private)},
+        )
+    try:
+        deadline = time.monotonic() + 300
+        while not list(private.glob("inference-engine-shard-token-*")) and time.monotonic() < deadline:
+            assert server.poll() is None, log_path.read_text()
+            time.sleep(0.05)
+        (token_file,) = private.glob("inference-engine-shard-token-*")
+        time.sleep(0.5)  # the workers are starting
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=30) == 0, log_path.read_text()
+        log = log_path.read_text()
+        assert "shutting down while the shard route starts" in log and ") listening on" not in log
+        assert not token_file.exists()
+        for _ in range(50):  # their SIGTERM was sent, their exit may lag a moment
+            if not _processes_naming(token_file):
+                break
+            time.sleep(0.1)
+        assert _processes_naming(token_file) == []
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()

@@ -19,7 +19,7 @@ from inference_engine.decoding.call_output import CallOutput, Usage
 from inference_engine.decoding.drafter import Drafter
 from inference_engine.decoding.options import StepOptions
 from inference_engine.decoding.step import StepPlan, StepResult, finish_step, plan_step
-from inference_engine.errors import EngineUnavailable
+from inference_engine.errors import EngineShutdown, EngineUnavailable
 from inference_engine.runtime.scheduler import Job, resolve
 from inference_engine.runtime.types import AppendResult, GenerateParams, StopReason
 from inference_engine.session.coordinator import Checkpoint
@@ -233,11 +233,12 @@ class GenerateJob(Job):
             self._block = None
         self._retract_unhanded()
         self.is_done = True
-        if exc is not None and not isinstance(exc, EngineUnavailable):
-            self._loop.call_soon_threadsafe(self.out.put_nowait, exc)
-        elif exc is not None:  # shutting down: end the stream properly
+        # Shutting down (or the session closed while a silent route held the step): end the stream properly.
+        if isinstance(exc, EngineShutdown) or (isinstance(exc, EngineUnavailable) and self._is_stopping()):
             self.stop = StopReason.CANCELLED
             self._push_end()
+        elif exc is not None:  # a failure (a shard route not answering: UNAVAILABLE); the sent tokens stay
+            self._loop.call_soon_threadsafe(self.out.put_nowait, exc)
         self._loop.call_soon_threadsafe(resolve, self.finished, None, None)
 
     def _end(self) -> None:

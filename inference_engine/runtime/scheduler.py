@@ -31,7 +31,7 @@ from typing import Callable, TypeVar
 
 import mlx.core as mx
 
-from inference_engine.errors import EngineUnavailable
+from inference_engine.errors import EngineShutdown, EngineUnavailable
 from inference_engine.runtime.cost_model import CostModel
 from inference_engine.session.session import Session
 from inference_engine.verifier.executor import Backend, Block
@@ -217,7 +217,7 @@ class Scheduler:
             self._deferred.extend(calls)
             if closing:
                 for job in self._jobs:
-                    self._finish(job, EngineUnavailable("the engine is shutting down"))
+                    self._finish(job, EngineShutdown("the engine is shutting down"))
                 self._jobs = []
             self._run_ready_calls(closing)
             if closing and not self._deferred:

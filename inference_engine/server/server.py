@@ -38,7 +38,7 @@ from inference_engine.served_model import load_served_model, release_start_up_me
 from inference_engine.server.metrics_http import MetricsEndpoint
 from inference_engine.shard.client.route import ShardRoute
 from inference_engine.shard.client.route_backend import RouteBackend
-from inference_engine.shard.client.supervisor import WorkerFlags, WorkerSupervisor
+from inference_engine.shard.client.supervisor import WorkerFlags, WorkerSupervisor, check_layer_ranges
 from inference_engine.shard.protocol.errors import ShardUnavailable
 from inference_engine.verifier.tile_probe import fp32_mismatches
 
@@ -108,28 +108,33 @@ async def connect_shards(cfg: ServerConfig, engine: Engine) -> tuple[ShardRoute 
     Returns:
         The connected route and the supervisor (None when not configured / not spawning).
     Raises:
+        ValueError: --spawn-shards ranges that do not cover the model's layers in order (nothing is spawned).
         OSError: a worker did not start or cannot be reached, or the route cannot serve
             this engine (another model, kernels, block or rollback room).
     """
-    supervisor = None
+    supervisor = route = None
     addresses = list(cfg.shards)
     if cfg.spawn_shards:
+        check_layer_ranges(cfg.spawn_shards, engine.spec.num_layers)  # now, not after seconds of spawning
         flags = WorkerFlags(host="127.0.0.1", model=cfg.model, block=engine.block, max_sessions=2 * cfg.max_sessions,
                             max_sink=cfg.max_sink, max_window=cfg.max_window, weights=engine_weights(engine))
         supervisor = WorkerSupervisor(cfg.spawn_shards, flags)
-        addresses = await supervisor.start()
-    if not addresses:
+    elif not addresses:
         return None, None
-    # Spawned workers require the supervisor's own token; --shards workers get the --shard-tls-*/token flags.
-    route = ShardRoute(addresses, cfg.shard_recovery_timeout_s,
-                       channel_security=supervisor.client_security if supervisor is not None else cfg.shard_security)
     try:
+        if supervisor is not None:
+            addresses = await supervisor.start()
+        # Spawned workers require the supervisor's own token; --shards workers get the --shard-tls-*/token flags.
+        security = supervisor.client_security if supervisor is not None else cfg.shard_security
+        route = ShardRoute(addresses, cfg.shard_recovery_timeout_s, step_timeout_s=cfg.shard_step_timeout_s,
+                           channel_security=security)
         await _reach(route, cfg.shard_recovery_timeout_s)
         g = engine.geometry(1, 1)
         route.check_serves(model_fingerprint(engine.loaded.model), active_blas(), g.max_block, g.max_rollback)
         engine.use_backend(RouteBackend(route, engine.spec, engine.block))
-    except BaseException as exc:
-        await route.stop()
+    except BaseException as exc:  # a failed or interrupted start leaves no worker and no token file behind
+        if route is not None:
+            await route.stop()
         if supervisor is not None:
             await supervisor.stop()
         if isinstance(exc, RuntimeServiceError):
@@ -196,7 +201,20 @@ async def serve(cfg: ServerConfig) -> None:
 async def _serve_engine(cfg: ServerConfig, engine: Engine, frontend: Frontend, stop: asyncio.Event) -> None:
     route = supervisor = None
     try:
-        route, supervisor = await connect_shards(cfg, engine)
+        # Spawning or reaching workers can take minutes: a stop signal meanwhile ends it (connect_shards
+        # then stops what it started, so no worker and no token file outlive the server).
+        connecting = asyncio.ensure_future(connect_shards(cfg, engine))
+        stopping = asyncio.ensure_future(stop.wait())
+        await asyncio.wait((connecting, stopping), return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if not connecting.done():
+            log.info("shutting down while the shard route starts: stopping its workers")
+            connecting.cancel()
+            await asyncio.wait((connecting,))
+            if not connecting.cancelled() and connecting.exception() is not None:
+                log.warning("stopping the shard route's start failed: %s", connecting.exception())
+            return
+        route, supervisor = connecting.result()
         runtime = Runtime(engine, cfg)
         persistence = await open_persistence(SessionTransfer(runtime), cfg.persist_dir, cfg.persist_every,
                                              cfg.persist_interval_s)  # --persist-sessions: restored before SERVING

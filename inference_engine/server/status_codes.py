@@ -32,6 +32,7 @@ ERROR_SPECS: dict[type[errors.RuntimeServiceError], ErrorSpec] = {
     errors.FeatureUnavailable: ErrorSpec(grpc.StatusCode.FAILED_PRECONDITION, "FEATURE_UNAVAILABLE"),
     errors.SessionBusy: ErrorSpec(grpc.StatusCode.ABORTED, "SESSION_BUSY", retry_after_s=0.1),
     errors.EngineUnavailable: ErrorSpec(grpc.StatusCode.UNAVAILABLE, "ENGINE_UNAVAILABLE", retry_after_s=1.0),
+    errors.EngineShutdown: ErrorSpec(grpc.StatusCode.UNAVAILABLE, "ENGINE_SHUTTING_DOWN", retry_after_s=1.0),
     errors.Unauthenticated: ErrorSpec(grpc.StatusCode.UNAUTHENTICATED, "UNAUTHENTICATED"),
 }
 INTERNAL = ErrorSpec(grpc.StatusCode.INTERNAL, "INTERNAL")  # anything unexpected

@@ -206,9 +206,10 @@ class ShardPipeline(KvTransfer, BatchedForward):
                                                   for h in hops), return_exceptions=True):
                 if isinstance(outcome, BaseException):
                     raise outcome
-        except BaseException:  # free what did open, so the same epoch can be tried again at once
+        except BaseException as exc:  # free what did open, so the same epoch can be tried again at once
             self._close_hops(session)
-            await self._release_on_workers(session)
+            if not isinstance(exc, asyncio.CancelledError):  # cancelled: the ended streams free it (no waiting)
+                await self._release_on_workers(session)
             raise
         self._sessions[session_id] = session
         return geometry

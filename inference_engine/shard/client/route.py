@@ -26,16 +26,19 @@ class ShardRoute:
     """A connected route of shard workers, its own loop thread and the recovery policy."""
 
     def __init__(self, addresses: Sequence[str], recovery_timeout_s: float = 60.0, retry_interval_s: float = 0.25,
-                 step_timeout_s: float = 120.0, channel_security: ClientSecurity | None = None):
+                 step_timeout_s: float = 30.0, channel_security: ClientSecurity | None = None):
         """
         Args:
             addresses: "host:port" of each worker, head first.
-            recovery_timeout_s: how long a call waits for a silent route before UNAVAILABLE.
+            recovery_timeout_s: how long a call waits for a silent route before UNAVAILABLE, counted from
+                the request the route stopped answering.
             retry_interval_s: pause between reconnection attempts.
-            step_timeout_s: deadline of one work frame on one worker.
+            step_timeout_s: deadline of one work frame on one worker; a worker that misses it has failed
+                (the session is replayed); at most `recovery_timeout_s` (a worker silent that long is a silent route).
             channel_security: CA, client certificate and token presented to the workers (None = plaintext).
         """
-        self.pipeline = ShardPipeline(addresses, step_timeout_s=step_timeout_s, channel_security=channel_security)
+        self.pipeline = ShardPipeline(addresses, step_timeout_s=min(step_timeout_s, recovery_timeout_s),
+                                      channel_security=channel_security)
         self.recovery_timeout_s = recovery_timeout_s
         self.retry_interval_s = retry_interval_s
         self.is_closed = False  # set at shutdown: recovery stops waiting

@@ -6,9 +6,11 @@ session's block (`ShardPipeline.forward_many`), and each worker computes them in
 A route session is replayed from the session's token log when the route fails: when a call
 fails (a worker died, a stream broke), the executor waits for the route to answer again, opens the session at a newer
 route epoch, replays the log up to its position (exact: chunking does not change the
-bits) and retries the call once, so the caller sees a delay, never a wrong token. If the
-route stays silent past `recovery_timeout_s` the call fails with `ShardUnavailable`
-(UNAVAILABLE) and the next call tries again.
+bits) and retries the call once, so the caller sees a delay, never a wrong token. A worker
+that does not answer within the route's step deadline has failed too. If the route stays
+silent for `recovery_timeout_s`, counted from the request it stopped answering, the call fails
+with `ShardUnavailable` (UNAVAILABLE; every attempt is cut off at that time, so a hung worker
+cannot hold it longer) and the next call tries again.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import numpy as np
 from inference_engine.errors import InvalidRequest, InvariantViolation, PoolExhausted, RuntimeServiceError
 from inference_engine.model.loader import ModelSpec
 from inference_engine.shard.client.route import ShardRoute
-from inference_engine.shard.protocol.errors import ShardUnavailable
+from inference_engine.shard.protocol.errors import DeadlineExpired, ShardUnavailable
 from inference_engine.verifier.executor import Backend, Block, Executor
 from inference_engine.verifier.kv_cache import CacheGeometry, CanonicalKV
 from inference_engine.verifier.token_log import TokenLog
@@ -61,6 +63,7 @@ class RouteBackend(Backend):
         executors: list[RemoteExecutor] = [b.executor for b in blocks]  # type: ignore[misc] - this backend's
         out: list[object] = [None] * len(blocks)
         together = [i for i, e in enumerate(executors) if not e.needs_replay]
+        sent = time.monotonic()  # a session failed below has waited on the route since then
         if len(together) > 1:
             try:
                 results: list[object] = await self.route.pipeline.forward_many(
@@ -74,7 +77,8 @@ class RouteBackend(Backend):
                 elif isinstance(r, InvalidRequest):
                     out[i] = r  # refused before sending: the session is intact
         rest = [i for i in range(len(blocks)) if out[i] is None]
-        alone = await asyncio.gather(*(executors[i].forward_async(blocks[i].tokens, blocks[i].all_logits) for i in rest),
+        alone = await asyncio.gather(*(executors[i].forward_async(blocks[i].tokens, blocks[i].all_logits,
+                                                                  sent if i in together else None) for i in rest),
                                      return_exceptions=True)
         for i, r in zip(rest, alone):
             out[i] = r
@@ -100,7 +104,7 @@ class RemoteExecutor(Executor):
         self._epoch = 0  # route epoch the session is open at (0: not open)
         self._needs_replay = True  # the workers' K/V does not match the log up to `_offset`
         self._is_closed = False
-        self.route.call(lambda: self._reopen(0))
+        self.route.call(lambda: self._reopen(0, time.monotonic() + self.route.recovery_timeout_s))
 
     @property
     def offset(self) -> int:
@@ -115,10 +119,14 @@ class RemoteExecutor(Executor):
         """A block of `rows` rows went through the route for this session (forward_many)."""
         self._offset += rows
 
-    async def forward_async(self, tokens: tuple[int, ...], all_logits: bool) -> np.ndarray:
-        """The block through the route (on the route's loop), recovering once after a failure."""
+    async def forward_async(self, tokens: tuple[int, ...], all_logits: bool, sent: float | None = None) -> np.ndarray:
+        """The block through the route (on the route's loop), recovering once after a failure.
+
+        Args:
+            sent: when the block was first sent (monotonic), if a batched forward already failed it.
+        """
         p, start = self.route.pipeline, self._offset
-        logits = await self._recovering(lambda: p.forward(self.session_id, tokens, all_logits=all_logits), start)
+        logits = await self._recovering(lambda: p.forward(self.session_id, tokens, all_logits=all_logits), start, sent)
         self._offset = start + len(tokens)
         return logits
 
@@ -174,51 +182,79 @@ class RemoteExecutor(Executor):
 
     # -- recovery --------------------------------------------------------------------
 
-    async def _recovering(self, make: Callable[[], Awaitable[T]], position: int) -> T:
-        """A route call on a usable session at `position`; after a failure, restore once and retry."""
+    async def _recovering(self, make: Callable[[], Awaitable[T]], position: int, sent: float | None = None) -> T:
+        """A route call on a usable session at `position`; after a failure, restore once and retry.
+
+        Args:
+            sent: when the call was first sent (monotonic), if it already failed once (default: now).
+        """
+        wait_s = self.route.recovery_timeout_s
         if self._needs_replay:
-            await self._reopen(position)
+            await self._reopen(position, time.monotonic() + wait_s)
+        sent = time.monotonic() if sent is None else sent
         try:
             return await make()
         except InvalidRequest:
             raise  # refused before sending (bad tokens): the session is intact
         except RuntimeServiceError as exc:
             self._needs_replay = True
+            cause: RuntimeServiceError = exc
             log.warning("route session %s failed (%s: %s); restoring it", self.session_id, type(exc).__name__, exc)
-        await self._reopen(position)
+        # The route has been silent since the request went out (a step deadline already spent part of it).
+        await self._reopen(position, sent + wait_s, cause)
         try:
             return await make()
+        except DeadlineExpired as exc:  # restored, then silent again: UNAVAILABLE, as for a silent route
+            self._needs_replay = True
+            raise ShardUnavailable(f"{exc}; the session is kept and is replayed at its next call: retry shortly") \
+                from exc
         except RuntimeServiceError:
             self._needs_replay = True
             raise
 
-    async def _reopen(self, position: int) -> None:
-        """Open the session at a newer epoch and replay the log's first `position` tokens (waits for the route)."""
-        r, p, g = self.route, self.route.pipeline, self.geometry
-        deadline = time.monotonic() + r.recovery_timeout_s
-        while True:
-            try:
-                if self._epoch:  # supersede the broken incarnation on every worker
-                    if p.epoch <= self._epoch:
-                        p.advance_epoch()
-                    await p.connect()  # re-check the route (a restarted worker must run the same layers)
-                await p.open(self.session_id, g.sink, g.window, max_block=g.max_block, max_rollback=g.max_rollback)
-                self._epoch = p.epoch
-                tokens = self.log[:position]
-                for i in range(0, len(tokens), REPLAY_CHUNK):
-                    await p.forward(self.session_id, tokens[i : i + REPLAY_CHUNK], all_logits=False)
-                if tokens:
-                    log.info("route session %s restored at epoch %d (%d tokens replayed)", self.session_id,
-                             self._epoch, len(tokens))
-                self._needs_replay = False
+    async def _reopen(self, position: int, deadline: float, cause: RuntimeServiceError | None = None) -> None:
+        """Restore the session (`_restore`), retrying while the route does not answer, until `deadline`.
+
+        Args:
+            deadline: when to give up (monotonic); an attempt still running then is cut off.
+            cause: the failure that left the session to restore; with it, nothing starts past `deadline`.
+        Raises:
+            ShardUnavailable: the route did not answer in time (or the server is stopping); the session is kept.
+            InvalidRequest, PoolExhausted: the workers refuse the session (waiting will not help).
+        """
+        r, p = self.route, self.route.pipeline
+        while cause is None or (time.monotonic() < deadline and not r.is_closed):
+            try:  # cut off at the deadline: a hung worker answers nothing, not even the reconnect
+                await asyncio.wait_for(self._restore(position), max(0.0, deadline - time.monotonic()))
                 return
             except (InvalidRequest, PoolExhausted):
-                raise  # the workers refuse this session: waiting will not help
+                raise
+            except asyncio.TimeoutError:
+                before = f" (before that, {type(cause).__name__}: {cause})" if cause is not None else ""
+                cause = DeadlineExpired(f"restoring the session got no answer within the recovery timeout "
+                                        f"({r.recovery_timeout_s:g} s){before}")
             except RuntimeServiceError as exc:
-                if time.monotonic() >= deadline or r.is_closed:
-                    raise ShardUnavailable(
-                        f"the shard route {','.join(p.addresses)} is not answering ({type(exc).__name__}: {exc}); "
-                        "the session is kept and is replayed when every worker is back: retry shortly"
-                    ) from exc
-                self._epoch = self._epoch or p.epoch  # a failed first open still needs a newer epoch
-                await asyncio.sleep(r.retry_interval_s)
+                cause = exc
+            self._epoch = self._epoch or p.epoch  # a failed first open still needs a newer epoch
+            await asyncio.sleep(max(0.0, min(r.retry_interval_s, deadline - time.monotonic())))
+        raise ShardUnavailable(
+            f"the shard route {','.join(p.addresses)} is not answering ({type(cause).__name__}: {cause}); "
+            "the session is kept and is replayed when every worker is back: retry shortly"
+        ) from cause
+
+    async def _restore(self, position: int) -> None:
+        """One attempt: open the session at a newer epoch and replay the log's first `position` tokens."""
+        p, g = self.route.pipeline, self.geometry
+        if self._epoch:  # supersede the broken incarnation on every worker
+            if p.epoch <= self._epoch:
+                p.advance_epoch()
+            await p.connect()  # re-check the route (a restarted worker must run the same layers)
+        await p.open(self.session_id, g.sink, g.window, max_block=g.max_block, max_rollback=g.max_rollback)
+        self._epoch = p.epoch
+        tokens = self.log[:position]
+        for i in range(0, len(tokens), REPLAY_CHUNK):
+            await p.forward(self.session_id, tokens[i : i + REPLAY_CHUNK], all_logits=False)
+        if tokens:
+            log.info("route session %s restored at epoch %d (%d tokens replayed)", self.session_id, self._epoch,
+                     len(tokens))
+        self._needs_replay = False

@@ -20,9 +20,11 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 from inference_engine.readiness import wait_ready_async
 from inference_engine.security.settings import ClientSecurity
+from inference_engine.shard.protocol.types import LayerRange
 
 log = logging.getLogger(__name__)
 READY_TIMEOUT_S = 300.0  # loading a layer range (and probing) can take a while on a busy machine
@@ -70,11 +72,24 @@ class WorkerSupervisor:
     async def start(self) -> list[str]:
         """Start every worker (in parallel) and supervise them; returns their addresses, head first.
 
+        If a worker fails to start, or the start is cancelled, every worker started is stopped and
+        the token file removed before this returns.
+
         Raises:
             OSError: a worker did not become ready (its stderr is in the server's log).
         """
         self.token_file = self._write_token_file()
-        ports = await asyncio.gather(*(self._spawn(i, 0) for i in range(len(self.layer_ranges))))
+        spawns = [asyncio.ensure_future(self._spawn(i, 0)) for i in range(len(self.layer_ranges))]
+        try:
+            ports = await asyncio.gather(*spawns)
+        except BaseException:  # the others are still loading: end them too (a cancelled gather already did)
+            for spawn in spawns:
+                spawn.cancel()
+            await asyncio.wait(spawns)
+            for spawn in spawns:  # retrieved: the first failure is the one reported
+                _ = spawn.cancelled() or spawn.exception()
+            await self.stop()
+            raise
         self.addresses = [f"{self.flags.host}:{p}" for p in ports]
         self._watchers = [asyncio.get_running_loop().create_task(self._watch(i)) for i in range(len(ports))]
         return self.addresses
@@ -82,7 +97,8 @@ class WorkerSupervisor:
     async def _spawn(self, i: int, port: int) -> int:
         """Start worker `i` on `port` (0 = any) and wait for its readiness line; returns its port."""
         f = self.flags
-        proc = await asyncio.create_subprocess_exec(
+        # Shielded: a start cancelled while the process is being created still learns of it (and stops it).
+        creating = asyncio.ensure_future(asyncio.create_subprocess_exec(
             sys.executable, "-m", "inference_engine", "shard-worker", "--layers", self.layer_ranges[i],
             "--host", f.host, "--port", str(port), "--model", f.model, "--weights", f.weights, "--block", str(f.block),
             "--max-sessions", str(f.max_sessions),
@@ -90,7 +106,14 @@ class WorkerSupervisor:
             "--parent-pid", str(os.getpid()),  # a server killed outright does not leave its workers behind
             "--auth-token-file", str(self.token_file),
             stdout=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL,
-        )
+        ))
+        try:
+            proc = await asyncio.shield(creating)
+        except asyncio.CancelledError:
+            await asyncio.wait((creating,))
+            if not creating.cancelled() and creating.exception() is None:
+                self.procs[i] = creating.result()
+            raise
         self.procs[i] = proc
         try:
             address = await wait_ready_async(proc, READY_TIMEOUT_S)
@@ -137,3 +160,36 @@ class WorkerSupervisor:
                 await proc.wait()
         if self.token_file is not None:
             self.token_file.unlink(missing_ok=True)
+
+
+def check_layer_ranges(ranges: Sequence[str], num_layers: int) -> None:
+    """`--spawn-shards` ranges must cover the model's layers in order, without gaps or overlaps.
+
+    Checked before any worker is spawned: a worker finds out only after seconds of loading.
+
+    Raises:
+        ValueError: the first range that does not fit, what was expected and a range split that would.
+    """
+    n = max(1, min(len(ranges), num_layers))
+    cuts = [round(k * num_layers / n) for k in range(n + 1)]
+    example = ",".join(f"{a}:{b}" for a, b in zip(cuts, cuts[1:]))
+    start, problem = 0, ""
+    for text in ranges:
+        try:
+            r = LayerRange.parse(text)
+        except ValueError as exc:
+            problem = str(exc)
+            break
+        if r.start != start:
+            gap = f"layers {start}:{r.start} are in no range" if r.start > start else "it overlaps the range before"
+            problem = f"layer range {r} starts at layer {r.start}, not {start} ({gap})"
+            break
+        if r.end > num_layers:
+            problem = f"layer range {r} ends past the model's {num_layers} layers"
+            break
+        start = r.end
+    if not problem and start != num_layers:
+        problem = f"the ranges end at layer {start}; the model has {num_layers} layers"
+    if problem:
+        raise ValueError(f"--spawn-shards {','.join(ranges)}: {problem}: the ranges must cover the model's "
+                         f"{num_layers} layers in order without gaps or overlaps, e.g. {example}")

@@ -67,6 +67,8 @@ class StepBatcher:
             return await asyncio.shield(future)
         except asyncio.CancelledError:
             await asyncio.wait([future])
+            if not future.cancelled():
+                future.exception()  # retrieved: its caller gave up on it (a client's step deadline)
             raise
 
     def _submit(self) -> None:
