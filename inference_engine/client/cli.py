@@ -45,7 +45,6 @@ def unsigned(bits: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"{value} is out of range; allowed 0..{top}")
         return value
 
-    parse.__name__ = f"uint{bits}"  # argparse names the type in its messages
     return parse
 
 

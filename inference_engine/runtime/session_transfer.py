@@ -93,12 +93,6 @@ class SessionRestored:
     window: int  # its window tokens
 
 
-def _capture_with_chat(session: Session, fingerprint: Fingerprint,
-                       identity: PersistedIdentity | None) -> SessionSnapshot:
-    """`capture` with the session's chat log, read at the same clean point as its tokens (engine thread)."""
-    return dataclasses.replace(capture(session, fingerprint, identity), chat=session.chat)
-
-
 @functools.lru_cache(maxsize=4)
 def vocabulary_digest(tokenizer: Any) -> str:
     """Hex SHA-256 of a tokenizer's vocabulary (token -> id), once per tokenizer object (~0.3 s)."""
@@ -134,7 +128,7 @@ class SessionTransfer:
             SessionNotFound: closed meanwhile. RuntimeServiceError: the state could not be read.
         """
         fingerprint = self.fingerprint(session.sink, session.window)
-        copied = await self.engine.run(_capture_with_chat, session, fingerprint, identity, session=session)
+        copied = await self.engine.run(capture, session, fingerprint, identity, session=session)
         return await asyncio.to_thread(seal, copied)  # hashing ~50 MB is no work for the engine thread
 
     async def snapshot(self, p: SnapshotParams) -> SnapshotTaken:

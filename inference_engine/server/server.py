@@ -182,14 +182,11 @@ async def serve(cfg: ServerConfig) -> None:
             log.info("metrics on http://%s:%d/metrics", endpoint.host, endpoint.port)
         log.info("BLAS in use: %s (1024x1024 fp32 matmul %.1f ms)", active_blas(), await asyncio.to_thread(matmul_ms))
         loading = asyncio.ensure_future(asyncio.to_thread(build_engine, cfg))  # health checks answered meanwhile
-        stopping = asyncio.ensure_future(stop.wait())
-        await asyncio.wait((loading, stopping), return_when=asyncio.FIRST_COMPLETED)
-        if not loading.done():
+        if not await _done_before(loading, stop):
             log.info("shutting down while the model loads: nothing to drain")
             await frontend.server.stop(None)
             log.info("stopped")
             exit_now(0)  # not asyncio.run's wait for the loading thread
-        stopping.cancel()
         await _serve_engine(cfg, loading.result(), frontend, stop)
     finally:
         await frontend.server.stop(None)  # already stopped unless start-up failed
@@ -198,16 +195,21 @@ async def serve(cfg: ServerConfig) -> None:
     log.info("stopped")
 
 
+async def _done_before(task: asyncio.Future, stop: asyncio.Event) -> bool:
+    """Wait for `task` or the stop signal, whichever comes first; whether `task` is done."""
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait((task, stopping), return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    return task.done()
+
+
 async def _serve_engine(cfg: ServerConfig, engine: Engine, frontend: Frontend, stop: asyncio.Event) -> None:
     route = supervisor = None
     try:
         # Spawning or reaching workers can take minutes: a stop signal meanwhile ends it (connect_shards
         # then stops what it started, so no worker and no token file outlive the server).
         connecting = asyncio.ensure_future(connect_shards(cfg, engine))
-        stopping = asyncio.ensure_future(stop.wait())
-        await asyncio.wait((connecting, stopping), return_when=asyncio.FIRST_COMPLETED)
-        stopping.cancel()
-        if not connecting.done():
+        if not await _done_before(connecting, stop):
             log.info("shutting down while the shard route starts: stopping its workers")
             connecting.cancel()
             await asyncio.wait((connecting,))
