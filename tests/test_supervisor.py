@@ -10,11 +10,15 @@ import tempfile
 import time
 from pathlib import Path
 
+from dataclasses import replace
+
 import grpc
 import pytest
 
 from inference_engine.security.credentials import open_channel
+from inference_engine.security.settings import ClientSecurity
 from inference_engine.server.server import connect_shards
+from inference_engine.shard.client import supervisor as supervisor_module
 from inference_engine.shard.client.supervisor import WorkerFlags, WorkerSupervisor, check_layer_ranges
 from inference_engine.v1 import shard_runtime_pb2 as spb
 from inference_engine.v1.shard_runtime_pb2_grpc import ShardRuntimeStub
@@ -60,23 +64,46 @@ async def test_restart_retries_until_the_port_is_free_again(real_model_path):
     assert sup.procs[0].returncode is not None
 
 
-async def test_spawned_workers_require_the_supervisors_token(real_model_path):
-    """Workers bound to loopback are reachable by any local user: they require the supervisor's private token."""
+async def test_spawned_workers_require_the_supervisors_certificate_and_token(real_model_path):
+    """Workers bound to loopback are reachable by any local user: they serve mTLS with the supervisor's own CA
+    and require its route certificate and its private token."""
     sup = WorkerSupervisor(("0:1",), _flags(str(real_model_path)))
     (address,) = await sup.start()
+    route = sup.client_security
     try:
-        async with open_channel(address) as plain:  # any local process, without the token
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await ShardRuntimeStub(plain).GetCapability(spb.ShardCapabilityRequest(), timeout=30)
-            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        async with open_channel(address, sup.client_security) as authed:
+        without = {"plaintext": ClientSecurity(), "no certificate": replace(route, cert_file=None, key_file=None),
+                   "no token": replace(route, token="")}
+        for what, security in without.items():  # any local process, without one of the three
+            async with open_channel(address, security) as channel:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await ShardRuntimeStub(channel).GetCapability(spb.ShardCapabilityRequest(), timeout=30)
+                assert err.value.code() == (grpc.StatusCode.UNAUTHENTICATED if what == "no token"
+                                            else grpc.StatusCode.UNAVAILABLE), what
+        async with open_channel(address, route) as authed:
             capability = await ShardRuntimeStub(authed).GetCapability(spb.ShardCapabilityRequest(), timeout=30)
             assert capability.kernels
-        token_file = sup.token_file
-        assert token_file.stat().st_mode & 0o777 == 0o600
+        folder = sup.credentials_dir
+        assert folder.stat().st_mode & 0o777 == 0o700
+        assert sorted(p.name for p in folder.iterdir()) == ["ca.pem", "route.key", "route.pem", "token.txt",
+                                                            "worker.key", "worker.pem"]
+        assert all(p.stat().st_mode & 0o777 == 0o600 for p in folder.iterdir())
+        assert b"PRIVATE KEY" not in sup.pki.ca.read_bytes()  # the CA's key was never written
     finally:
         await sup.stop()
-    assert not token_file.exists()
+    assert not folder.exists()
+
+
+async def test_credentials_that_cannot_be_written_fail_the_start_and_leave_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+    def full_disk(folder, host):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(supervisor_module, "make_spawn_pki", full_disk)
+    sup = WorkerSupervisor(("0:1",), _flags(str(tmp_path / "unused")))
+    with pytest.raises(OSError, match="No space left"):
+        await sup.start()
+    assert list(tmp_path.iterdir()) == [] and sup.procs == [None]
 
 
 def _processes_naming(path: Path) -> list[int]:
@@ -93,13 +120,13 @@ def _processes_naming(path: Path) -> list[int]:
 
 
 async def test_a_worker_that_fails_stops_the_others_and_removes_the_token_file(real_model_path):
-    """One worker cannot start (a bad range): the other, still loading, is stopped and the token file goes;
+    """One worker cannot start (a bad range): the other, still loading, is stopped and the credentials go;
     the failure names the worker's own exit status (not 255 from a reaped-behind-asyncio's-back child)."""
     sup = WorkerSupervisor(("0:1", "1:0"), _flags(str(real_model_path)))
     try:
         with pytest.raises(OSError, match=r"shard worker 1:0 did not start \(exit status 2\)"):
             await sup.start()
-        assert sup.token_file is not None and not sup.token_file.exists()
+        assert sup.credentials_dir is not None and not sup.credentials_dir.exists()
         assert all(p is not None and p.returncode is not None for p in sup.procs)  # none left loading
     finally:
         await sup.stop()
@@ -118,7 +145,7 @@ async def test_a_cancelled_start_stops_the_workers_and_removes_the_token_file(re
         start.cancel()
         with pytest.raises(asyncio.CancelledError):
             await start
-        assert not token_file.exists()
+        assert not sup.credentials_dir.exists()
         assert all(p.returncode is not None for p in sup.procs) and _processes_naming(token_file) == []
     finally:
         await sup.stop()
@@ -167,16 +194,16 @@ def test_sigterm_while_the_spawned_workers_load_stops_them_and_removes_the_token
         )
     try:
         deadline = time.monotonic() + 300
-        while not list(private.glob("inference-engine-shard-token-*")) and time.monotonic() < deadline:
+        while not list(private.glob("inference-engine-shard-*/token.txt")) and time.monotonic() < deadline:
             assert server.poll() is None, log_path.read_text()
             time.sleep(0.05)
-        (token_file,) = private.glob("inference-engine-shard-token-*")
+        (token_file,) = private.glob("inference-engine-shard-*/token.txt")
         time.sleep(0.5)  # the workers are starting
         server.send_signal(signal.SIGTERM)
         assert server.wait(timeout=30) == 0, log_path.read_text()
         log = log_path.read_text()
         assert "shutting down while the shard route starts" in log and ") listening on" not in log
-        assert not token_file.exists()
+        assert not token_file.parent.exists()
         for _ in range(50):  # their SIGTERM was sent, their exit may lag a moment
             if not _processes_naming(token_file):
                 break

@@ -4,9 +4,12 @@ Each layer range runs as a `shard-worker` subprocess. The first start picks a fr
 a worker that dies is restarted at the same address, so the route (and its clients'
 channels) stays the same and sessions recover by replay (see route_backend.py).
 
-The workers listen on loopback, where any local user could reach them: each supervisor
-makes a random bearer token, gives it to its workers in a private file (`--auth-token-file`,
-mode 0600, removed at stop) and presents it on the route (`client_security`).
+The workers listen on loopback, where any local process could reach them, or bind a dead
+worker's port before its restart does. So the route and the workers authenticate each other
+before anything is sent: each supervisor makes its own CA (`security/spawn_pki.py`), the
+workers serve mTLS with its worker certificate and require its route certificate, and the
+route trusts only that CA; the route also presents a random bearer token the workers require.
+Certificates, keys and token live in a private folder (mode 0700, files 0600), removed at stop.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import contextlib
 import logging
 import os
 import secrets
+import shutil
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -24,6 +28,7 @@ from typing import Sequence
 
 from inference_engine.readiness import wait_ready_async
 from inference_engine.security.settings import ClientSecurity
+from inference_engine.security.spawn_pki import SpawnPki, make_spawn_pki
 from inference_engine.shard.protocol.types import LayerRange
 
 log = logging.getLogger(__name__)
@@ -56,29 +61,41 @@ class WorkerSupervisor:
         self._watchers: list[asyncio.Task] = []
         self._stopping = False
         self._token = secrets.token_hex(32)  # what the workers require and the route presents
-        self.token_file: Path | None = None  # the workers' --auth-token-file (private; made at start)
+        self.credentials_dir: Path | None = None  # private folder of the files below (made at start)
+        self.token_file: Path | None = None  # the workers' --auth-token-file
+        self.pki: SpawnPki | None = None  # the workers' certificate, the route's, and the CA both trust
 
     @property
     def client_security(self) -> ClientSecurity:
-        """What the route presents to these workers (their bearer token)."""
-        return ClientSecurity(token=self._token)
+        """What the route presents to these workers: its certificate and their bearer token; it trusts only
+        this supervisor's CA (call after `start`)."""
+        assert self.pki is not None, "the credentials are made at start"
+        return ClientSecurity(ca_file=self.pki.ca, cert_file=self.pki.route_cert, key_file=self.pki.route_key,
+                              token=self._token)
 
-    def _write_token_file(self) -> Path:
-        fd, name = tempfile.mkstemp(prefix="inference-engine-shard-token-", suffix=".txt")  # mode 0600
+    def _write_credentials(self) -> None:
+        self.credentials_dir = Path(tempfile.mkdtemp(prefix="inference-engine-shard-"))  # mode 0700
+        self.token_file = self.credentials_dir / "token.txt"
+        fd = os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(self._token + "\n")
-        return Path(name)
+        self.pki = make_spawn_pki(self.credentials_dir, self.flags.host)
 
     async def start(self) -> list[str]:
         """Start every worker (in parallel) and supervise them; returns their addresses, head first.
 
         If a worker fails to start, or the start is cancelled, every worker started is stopped and
-        the token file removed before this returns.
+        the credentials folder removed before this returns.
 
         Raises:
-            OSError: a worker did not become ready (its stderr is in the server's log).
+            OSError: a worker did not become ready (its stderr is in the server's log), or the
+                credentials cannot be written.
         """
-        self.token_file = self._write_token_file()
+        try:
+            self._write_credentials()
+        except BaseException:
+            await self.stop()
+            raise
         spawns = [asyncio.ensure_future(self._spawn(i, 0)) for i in range(len(self.layer_ranges))]
         try:
             ports = await asyncio.gather(*spawns)
@@ -104,7 +121,9 @@ class WorkerSupervisor:
             "--max-sessions", str(f.max_sessions),
             "--max-sink", str(f.max_sink), "--max-window", str(f.max_window),
             "--parent-pid", str(os.getpid()),  # a server killed outright does not leave its workers behind
-            "--auth-token-file", str(self.token_file),
+            "--auth-token-file", str(self.token_file),  # the route's token, over mTLS with the route's certificate
+            "--tls-cert", str(self.pki.worker_cert), "--tls-key", str(self.pki.worker_key),
+            "--tls-client-ca", str(self.pki.ca),
             stdout=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL,
         ))
         try:
@@ -158,8 +177,8 @@ class WorkerSupervisor:
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()
                 await proc.wait()
-        if self.token_file is not None:
-            self.token_file.unlink(missing_ok=True)
+        if self.credentials_dir is not None:
+            shutil.rmtree(self.credentials_dir, ignore_errors=True)
 
 
 def check_layer_ranges(ranges: Sequence[str], num_layers: int) -> None:
