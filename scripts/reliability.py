@@ -7,7 +7,8 @@
 Sections (inference_engine/client/reliability/): the bad-input table (every field, raw
 corrupt bytes, oversize messages -> typed codes), random client cancels and deadlines
 reconciled with a replay, mixed traffic from N clients with the server's RSS between rounds,
-SIGTERM mid-stream, TLS/tokens/mTLS/ownership, and a hypothesis fuzz of every request.
+SIGTERM mid-stream, TLS/tokens/mTLS/ownership, a hypothesis fuzz of every request, and a rogue
+listener on a dead spawned shard worker's port (with a plaintext `--shards` control).
 Exit status 1 if any check failed.
 """
 

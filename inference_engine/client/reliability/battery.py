@@ -3,7 +3,8 @@
 The sections that need no process control (bad input, cancels, fuzz, traffic) run against
 one spawned `serve`; the traffic section reads that process's RSS, and the shutdown section
 ends it with SIGTERM. The security section starts two more servers (TLS with bearer tokens;
-mTLS) and checks that a public bind without them is refused. A section that raises is a
+mTLS) and checks that a public bind without them is refused. The rogue-worker section starts
+a `--spawn-shards` server and a `--shards` control of its own. A section that raises is a
 failed section, never a lost run.
 """
 
@@ -23,13 +24,14 @@ from inference_engine.client.reliability.bad_input import run_bad_input
 from inference_engine.client.reliability.cancels import CancelPlan, run_cancels
 from inference_engine.client.reliability.fuzz import FuzzPlan, run_fuzz
 from inference_engine.client.reliability.report import SectionReport, battery_json
+from inference_engine.client.reliability.rogue_worker import run_rogue_worker
 from inference_engine.client.reliability.security_checks import SecuredTargets, run_security
 from inference_engine.client.reliability.server_process import ServerProcess, exposure_refused
 from inference_engine.client.reliability.shutdown import run_shutdown
 from inference_engine.client.reliability.traffic import TrafficPlan, run_traffic
 from inference_engine.security.credentials import open_channel
 
-SECTIONS = ("bad_input", "cancels", "fuzz", "traffic", "shutdown", "security")
+SECTIONS = ("bad_input", "cancels", "fuzz", "traffic", "shutdown", "security", "rogue_worker")
 
 
 @dataclass(frozen=True)
@@ -135,7 +137,7 @@ async def run_battery(plan: BatteryPlan, model: str | None, workdir: Path, secti
     flags = serve_flags(plan, model, extra_flags)
     reports: list[SectionReport] = []
     server_info: dict = {"flags": flags}
-    if set(sections) - {"security"}:
+    if set(sections) - {"security", "rogue_worker"}:
         snapshots = ["--snapshot-dir", str(workdir / "snapshots")]  # SnapshotSession to_dir, RestoreSession file
         server = await ServerProcess.start([*flags, *snapshots], workdir / "server.log")
         server_info.update(target=server.target, pid=server.pid, rss_mib_at_start=round(server.rss() / (1 << 20), 1))
@@ -145,6 +147,8 @@ async def run_battery(plan: BatteryPlan, model: str | None, workdir: Path, secti
             server_info["exit_status"] = await server.stop()
     if "security" in sections and pki is not None:
         reports.append(await guarded("security", run_security_spawned(flags, pki, workdir)))
+    if "rogue_worker" in sections:
+        reports.append(await guarded("rogue_worker", run_rogue_worker(flags, model, workdir)))
     meta = {
         "battery": "issue 15 reliability", "plan": dataclasses.asdict(plan), "model": model or "packaged default",
         "server": server_info, "host": platform.node(), "platform": platform.platform(), "python": sys.version.split()[0],
