@@ -12,17 +12,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from pathlib import Path
 from typing import AsyncIterator
 
 import pytest
 
-from inference_engine.client.reliability.hostile_peers import Relay, varint_ids
+from inference_engine.client.reliability.hostile_peers import Relay, RogueListener, varint_ids
 from inference_engine.client.reliability.rogue_worker import FIRST, RogueFindings, judge, layer_ranges, run_rogue_worker
 from inference_engine.client.reliability.report import SectionReport
 from inference_engine.model.loader import LoadedModel, load_model
 from inference_engine.runtime.engine import Engine
 from inference_engine.security.settings import ClientSecurity
+from inference_engine.security.spawn_pki import make_spawn_pki
 from inference_engine.shard.client.route import ShardRoute
 from inference_engine.shard.client.route_backend import RouteBackend
 from inference_engine.shard.client.supervisor import WorkerFlags, WorkerSupervisor
@@ -165,3 +167,36 @@ def test_the_section_fails_on_a_route_that_leaks():
 def test_layer_ranges_split_the_model_in_two(tiny_dir):
     assert layer_ranges(str(tiny_dir)) == "0:1,1:2"
     assert layer_ranges(None) == "0:15,15:30"
+
+
+def test_spawn_pki_names_the_workers_host_and_never_overwrites(tmp_path):
+    from cryptography import x509
+
+    pki = make_spawn_pki(tmp_path, "shard-host.internal")
+    names = x509.load_pem_x509_certificate(pki.worker_cert.read_bytes()).extensions.get_extension_for_class(
+        x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
+    assert names == ["localhost", "shard-host.internal"]
+    with pytest.raises(FileExistsError):  # a second CA in the same folder would replace the pinned one
+        make_spawn_pki(tmp_path, "127.0.0.1")
+
+
+async def test_rogue_listener_gives_up_on_a_port_in_use():
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        rogue = RogueListener()
+        with pytest.raises(OSError, match="could not bind"):
+            await rogue.start(holder.getsockname()[1], wait_s=0.05)
+        await rogue.stop()
+
+
+async def test_relay_to_a_closed_port_drops_the_connection():
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        closed = free.getsockname()[1]
+    async with _relayed(f"127.0.0.1:{closed}") as relay:
+        reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
+        writer.write(b"hello")
+        assert await reader.read() == b""
+        writer.close()
+    assert relay.sent == b""
