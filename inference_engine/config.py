@@ -109,7 +109,8 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     shards.add_argument("--shards", default="", metavar="HOST:PORT,...",
                         help="run the model's layers on these running shard workers (head first)")
     shards.add_argument("--spawn-shards", default="", metavar="A:B,B:C,...",
-                        help="spawn and supervise one shard worker per layer range (restarted if it dies)")
+                        help="spawn and supervise one shard worker per layer range (restarted if it dies); the route and the "
+                             "workers authenticate each other with mTLS under a CA of this server's own")
     parser.add_argument("--shard-recovery-timeout", type=float, default=d.shard_recovery_timeout_s,
                         help="seconds a call waits for a silent shard route before failing UNAVAILABLE")
     parser.add_argument("--shard-step-timeout", type=float, default=d.shard_step_timeout_s,

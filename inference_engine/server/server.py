@@ -124,7 +124,7 @@ async def connect_shards(cfg: ServerConfig, engine: Engine) -> tuple[ShardRoute 
     try:
         if supervisor is not None:
             addresses = await supervisor.start()
-        # Spawned workers require the supervisor's own token; --shards workers get the --shard-tls-*/token flags.
+        # Spawned workers: mTLS with the supervisor's own CA and its token; --shards workers: the --shard-* flags.
         security = supervisor.client_security if supervisor is not None else cfg.shard_security
         route = ShardRoute(addresses, cfg.shard_recovery_timeout_s, step_timeout_s=cfg.shard_step_timeout_s,
                            channel_security=security)
