@@ -63,6 +63,9 @@ class ServerConfig:
     shard_security: ClientSecurity = field(default_factory=ClientSecurity)  # what this server presents to --shards workers
     metrics_host: str = "127.0.0.1"  # address of the Prometheus endpoint
     metrics_port: int = 0  # Prometheus endpoint port; 0 = no endpoint
+    # -- the OpenAI-compatible HTTP API (docs/openai.md)
+    http_port: int = 0  # port of the HTTP API on `host` (same TLS and tokens as gRPC); 0 = no HTTP API
+    prefix_cache_bytes: int = 1 << 29  # K/V bytes of sessions the HTTP API keeps for prefix reuse (0 = none kept)
     # -- session snapshots and persistence (README: "Session snapshots")
     snapshot_dir: Path | None = None  # where SnapshotSession(to_dir) writes and RestoreSession(file) reads
     max_snapshot_bytes: int = 1 << 30  # largest snapshot RestoreSession accepts
@@ -121,6 +124,13 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-port", type=int, default=d.metrics_port,
                         help="serve Prometheus metrics at http://METRICS_HOST:PORT/metrics (0 = off)")
     parser.add_argument("--metrics-host", default=d.metrics_host, help="address of the metrics endpoint")
+    parser.add_argument("--http-port", type=int, default=d.http_port,
+                        help="serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions) on --host "
+                        "at this port, with the gRPC port's TLS and tokens (0 = off, the default)")
+    parser.add_argument("--prefix-cache-bytes", type=int, default=d.prefix_cache_bytes,
+                        help="K/V bytes of finished HTTP requests' sessions kept to reuse their prefix exactly "
+                        "(counted in --max-kv-bytes, evicted least recently used before a live session is refused; "
+                        "0 = keep none; default %(default)s)")
     # -- session snapshots and persistence
     parser.add_argument("--snapshot-dir", type=Path, default=None,
                         help="folder for SnapshotSession(to_dir) files and RestoreSession(file)")
@@ -194,6 +204,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         shard_recovery_timeout_s=args.shard_recovery_timeout, shard_step_timeout_s=args.shard_step_timeout,
         security=server_security_from_args(args), shard_security=client_security_from_args(args, "shard-"),
         metrics_host=args.metrics_host, metrics_port=args.metrics_port,
+        http_port=args.http_port, prefix_cache_bytes=args.prefix_cache_bytes,
         snapshot_dir=args.snapshot_dir, max_snapshot_bytes=args.max_snapshot_bytes, persist_dir=args.persist_sessions,
         persist_every=args.persist_every, persist_interval_s=args.persist_interval,
     )
@@ -215,6 +226,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         "--shard-recovery-timeout": cfg.shard_recovery_timeout_s > 0,
         "--shard-step-timeout": cfg.shard_step_timeout_s > 0,
         "--metrics-port": 0 <= cfg.metrics_port <= 65535,
+        "--http-port": 0 <= cfg.http_port <= 65535,
+        "--prefix-cache-bytes": cfg.prefix_cache_bytes >= 0,
         "--max-snapshot-bytes": cfg.max_snapshot_bytes >= 1,
         "--persist-every": cfg.persist_every >= 1,
         "--persist-interval": cfg.persist_interval_s >= 0,
@@ -223,6 +236,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     if bad:
         raise ValueError(f"out-of-range flags: {', '.join(bad)}")
     check_exposure(cfg.host, cfg.security)
+    if cfg.http_port and cfg.security.is_mtls and not cfg.security.has_tokens:
+        raise ValueError("--http-port with --tls-client-ca needs --auth-token-file: the HTTP API identifies callers "
+                         "by bearer token (a client certificate only admits the connection there)")
     s = cfg.shard_security
     if not cfg.shards and (s.ca_file or s.cert_file or s.token):
         raise ValueError("--shard-tls-ca, --shard-tls-cert/--shard-tls-key and --shard-token-file secure the "

@@ -24,12 +24,20 @@ class MalformedRequest(InvalidRequest):
     """The request bytes do not decode as the method's message (INVALID_ARGUMENT)."""
 
 
+class RequestTooLarge(InvalidRequest):
+    """A request body is over the server's byte bound (INVALID_ARGUMENT; HTTP 413)."""
+
+
 class SnapshotCorrupt(InvalidRequest):
     """A session snapshot is truncated, corrupted (checksum) or not a snapshot at all (INVALID_ARGUMENT)."""
 
 
 class Unauthenticated(RuntimeServiceError):
     """No bearer token, or one the server does not know (UNAUTHENTICATED)."""
+
+
+class UnknownModel(RuntimeServiceError):
+    """A request names a model this server does not serve (NOT_FOUND; HTTP 404)."""
 
 
 class SessionNotFound(RuntimeServiceError):

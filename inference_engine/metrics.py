@@ -51,6 +51,31 @@ QUEUE_WAIT_SECONDS = Histogram(
     buckets=_LATENCY_BUCKETS, registry=REGISTRY,
 )
 
+HTTP_REQUESTS = Counter(
+    "http_server_requests", "OpenAI-compatible HTTP API requests completed, by route and status",
+    ("route", "status"), registry=REGISTRY,
+)
+HTTP_SECONDS = Histogram(
+    "http_server_request_seconds", "Wall time of an HTTP API request (streams included)", ("route",),
+    buckets=_LATENCY_BUCKETS, registry=REGISTRY,
+)
+PREFIX_CACHE_LOOKUPS = Counter(
+    "inference_engine_prefix_cache_lookups", "HTTP API prompts looked up in the exact prefix cache, by outcome",
+    ("outcome",), registry=REGISTRY,
+)
+PREFIX_CACHE_TOKENS = Counter(
+    "inference_engine_prefix_cache_reused_tokens", "Prompt tokens served from kept sessions (not prefilled again)",
+    registry=REGISTRY,
+)
+PREFIX_CACHE_EVICTIONS = Counter(
+    "inference_engine_prefix_cache_evictions", "Kept sessions closed to make room (LRU)", registry=REGISTRY,
+)
+REPLY_REUSE = Counter(
+    "inference_engine_chat_reply_reuse", "Chat replies whose session is a prefix of the next turn's rendered "
+    "history (reused) or not (retokenized: the template renders the reply to other tokens)", ("outcome",),
+    registry=REGISTRY,
+)
+
 
 def track_pool(slabs_in_use: Callable[[], int], slots: int, bytes_in_use: Callable[[], int]) -> None:
     """Point the pool gauges at a live session store (read at scrape time).

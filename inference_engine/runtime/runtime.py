@@ -251,6 +251,27 @@ class Runtime:
             if job.hand(item):  # from here on it counts as sent
                 await emit(GenerateChunk(item.step.tokens, text=item.text, logprobs=item.step.logprobs))
 
+    async def rollback(self, session_id: str, n: int, owner: str = ANONYMOUS) -> int:
+        """Drop the last `n` tokens of `owner`'s idle session (at most --max-rollback); returns its length.
+
+        The next-token logits are gone until a token is appended (Generate needs an append first).
+
+        Raises:
+            SessionNotFound: unknown, closed or another identity's. SessionBusy: a call holds it.
+            InvariantViolation: `n` is beyond the rollback room or the history.
+        """
+        self.check_serving()
+        session = self.store.get(session_id, owner)
+        session.acquire("Rollback")
+        try:
+            def cut() -> int:
+                session.coordinator.retract(n, None)
+                return len(session.history)
+
+            return await self.engine.run(cut)
+        finally:
+            self.store.release(session)
+
     async def close_session(self, session_id: str, owner: str = ANONYMOUS) -> int:
         """Close `owner`'s session; returns its final history length (after its running call ends).
 

@@ -34,6 +34,7 @@ from inference_engine.runtime.runtime import Runtime
 from inference_engine.runtime.session_transfer import SessionTransfer
 from inference_engine.runtime.verify_row_cost import CHEAP_ROW, measure_verify_row_cost
 from inference_engine.server.frontend import Frontend, open_frontend, start_frontend
+from inference_engine.server.openai_api.http_server import HttpFrontend
 from inference_engine.served_model import load_served_model, release_start_up_memory
 from inference_engine.server.metrics_http import MetricsEndpoint
 from inference_engine.shard.client.route import ShardRoute
@@ -173,10 +174,16 @@ async def serve(cfg: ServerConfig) -> None:
     """
     stop = stop_event()  # from the very start: the default action would kill the process mid-load (143)
     frontend = await open_frontend(cfg, cfg.host, cfg.port)
-    endpoint = None
+    endpoint = http = None
     try:
         log.info("bound %s:%d (%s); health NOT_SERVING until the model is loaded", cfg.host, frontend.port,
                  cfg.security.describe())
+        if cfg.http_port:
+            http = HttpFrontend(cfg)
+            await http.start(cfg.host, cfg.http_port)
+            scheme = "https" if cfg.security.is_tls else "http"
+            log.info("OpenAI-compatible API on %s://%s:%d/v1 (503 until the model is loaded)", scheme, cfg.host,
+                     http.port)
         if cfg.metrics_port:
             endpoint = MetricsEndpoint(cfg.metrics_host, cfg.metrics_port)
             log.info("metrics on http://%s:%d/metrics", endpoint.host, endpoint.port)
@@ -185,11 +192,15 @@ async def serve(cfg: ServerConfig) -> None:
         if not await _done_before(loading, stop):
             log.info("shutting down while the model loads: nothing to drain")
             await frontend.server.stop(None)
+            if http is not None:
+                await http.stop(0.1)
             log.info("stopped")
             exit_now(0)  # not asyncio.run's wait for the loading thread
-        await _serve_engine(cfg, loading.result(), frontend, stop)
+        await _serve_engine(cfg, loading.result(), frontend, stop, http)
     finally:
         await frontend.server.stop(None)  # already stopped unless start-up failed
+        if http is not None:
+            await http.stop(0.1)  # already stopped unless start-up failed
         if endpoint is not None:
             endpoint.close()
     log.info("stopped")
@@ -203,7 +214,8 @@ async def _done_before(task: asyncio.Future, stop: asyncio.Event) -> bool:
     return task.done()
 
 
-async def _serve_engine(cfg: ServerConfig, engine: Engine, frontend: Frontend, stop: asyncio.Event) -> None:
+async def _serve_engine(cfg: ServerConfig, engine: Engine, frontend: Frontend, stop: asyncio.Event,
+                        http: HttpFrontend | None = None) -> None:
     route = supervisor = None
     try:
         # Spawning or reaching workers can take minutes: a stop signal meanwhile ends it (connect_shards
@@ -222,12 +234,18 @@ async def _serve_engine(cfg: ServerConfig, engine: Engine, frontend: Frontend, s
                                              cfg.persist_interval_s)  # --persist-sessions: restored before SERVING
         freeze_startup_objects()  # before SERVING: a full collection would stall every stream
         await frontend.attach(runtime)
+        if http is not None:
+            http.attach(runtime)
         announce(cfg.host, frontend.port)
         await wait_for_stop_signal(stop=stop)
         log.info("shutting down: NOT_SERVING, ending streams, draining in-flight RPCs for up to %.1fs", cfg.grace_s)
         started = time.monotonic()
         await frontend.health.drain()
+        if http is not None:
+            http.begin_drain()  # /health 503, new requests 503
         await runtime.drain(cfg.grace_s)  # streams finish, or end with their final message (CANCELLED)
+        if http is not None:
+            await http.stop(max(0.1, cfg.grace_s - (time.monotonic() - started)))  # also closes kept sessions
         await frontend.drain(max(0.1, cfg.grace_s - (time.monotonic() - started)))
         if persistence is not None:
             await persistence.close()  # every live session, after its in-flight call drained

@@ -13,6 +13,7 @@ from inference_engine.runtime.types import DecodeMode
 MAX_TEXT_CHARS = 1 << 20  # characters of one text, message content or Tokenize input
 MAX_MESSAGES = 256  # messages in one request
 MAX_STOP_STRINGS = 8  # stop strings in one Generate
+MAX_CHOICES = 8  # `n` of one OpenAI-compatible request (each choice holds a session while it runs)
 DEFAULT = "the server default"  # what 0 means in most numeric fields
 
 
@@ -57,6 +58,23 @@ def bounds_table(cfg: ServerConfig, vocab_size: int) -> dict[str, Bound]:
         "DetokenizeRequest.tokens#": Bound(0, 1 << 16),
         "DetokenizeRequest.tokens[]": Bound(0, vocab_size - 1),
         "*.session_id#": Bound(1, 128),
+        # The OpenAI-compatible HTTP API's body fields (server/openai_api), named as OpenAI names them.
+        "body.max_tokens": Bound(1, cfg.max_new_tokens),
+        "body.n": Bound(1, MAX_CHOICES),
+        "body.temperature": Bound(0.0, 2.0),  # OpenAI's range; 0 = greedy
+        "body.top_p": Bound(0.0, 1.0),
+        "body.top_k": Bound(1, vocab_size, "all tokens"),
+        "body.min_p": Bound(0.0, 1.0),
+        "body.repetition_penalty": Bound(0.0, 10.0),
+        "body.top_logprobs": Bound(1, MAX_TOP_LOGPROBS, "no alternatives"),
+        "body.logprobs": Bound(1, MAX_TOP_LOGPROBS, "no alternatives"),  # completions: alternatives per token
+        "body.stop#": Bound(0, MAX_STOP_STRINGS),
+        "body.stop[]#": Bound(1, 256),
+        "body.prompt#": Bound(1, cfg.max_tokens_per_request),  # tokens, the prompt's or the rendered messages'
+        "body.prompt[]": Bound(0, vocab_size - 1),
+        "body.messages#": Bound(1, MAX_MESSAGES),
+        "body.content#": Bound(0, MAX_TEXT_CHARS),
+        "body.user#": Bound(0, 256),
     }
 
 

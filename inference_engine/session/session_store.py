@@ -38,6 +38,8 @@ class SessionStore:
         # Observers (--persist-sessions): a session was added or a call on it ended; one was closed or expired.
         self.on_change: Callable[[Session], None] | None = None
         self.on_remove: Callable[[Session], None] | None = None
+        # Frees one kept (idle, cached) session when the pool is full; True if it freed one (the HTTP prefix cache).
+        self.evict_kept: Callable[[], bool] | None = None
 
     @staticmethod
     def new_id() -> str:
@@ -60,6 +62,8 @@ class SessionStore:
             PoolExhausted: all `max_sessions` slabs are in use, or the bytes exceed `max_kv_bytes`.
         """
         self.expire_idle()
+        while self.slabs_in_use >= self.max_sessions and self._evict_kept():
+            pass
         if self.slabs_in_use >= self.max_sessions:
             raise PoolExhausted(
                 f"all {self.max_sessions} session slabs are in use; close a session or wait for idle ones to expire"
@@ -72,12 +76,18 @@ class SessionStore:
         Raises:
             PoolExhausted: with the numbers.
         """
+        while self.max_kv_bytes and self.kv_bytes_in_use() + nbytes > self.max_kv_bytes and self._evict_kept():
+            pass
         used = self.kv_bytes_in_use()
         if self.max_kv_bytes and used + nbytes > self.max_kv_bytes:
             raise PoolExhausted(
                 f"{nbytes} more bytes of K/V would bring the pool to {used + nbytes} bytes; --max-kv-bytes is "
                 f"{self.max_kv_bytes} ({used} in use): close a session, use a smaller window, or wait"
             )
+
+    def _evict_kept(self) -> bool:
+        """Free one kept session before refusing a live one; whether one was freed."""
+        return self.evict_kept is not None and self.evict_kept()
 
     @contextlib.contextmanager
     def reservation(self, nbytes: int = 0) -> Iterator[None]:
