@@ -95,6 +95,8 @@ class CompletionService:
             RuntimeServiceError: from the runtime (pool full, draining, ...); nothing is left open.
         """
         self.runtime.check_serving()
+        if job.options.stop:
+            require(self.runtime.text)  # stop strings are matched on text: refused before any prefill
         prompt = await self.prompt_tokens(job)
         session_id, cached = await self._open(job.owner, prompt)
         choices = [_Choice(0, session_id)]
