@@ -1,0 +1,66 @@
+"""The HTTP API's chat endpoint on the packaged SmolLM2-135M (real text), with the official client:
+chat streamed and not, stop strings, logprobs, and the exact prefix cache over a 6-turn conversation."""
+
+from __future__ import annotations
+
+import pytest
+
+from inference_engine import metrics
+from tests.openai_helpers import http_api
+
+pytestmark = pytest.mark.real_model
+QUESTIONS = ("Name a fruit.", "What colour is it?", "Is it sweet?", "Where does it grow?", "Name another one.",
+             "Thanks!")
+
+
+def _reuse(outcome: str) -> float:
+    return metrics.REGISTRY.get_sample_value("inference_engine_chat_reply_reuse_total", {"outcome": outcome}) or 0.0
+
+
+async def test_chat_plain_streamed_stop_and_logprobs(real_engine):
+    messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Count from 1 to 9."}]
+    async with http_api(real_engine, default_window=256) as s, s.client() as c:
+        r = await c.chat.completions.create(model=s.model, messages=messages, max_tokens=16, temperature=0,
+                                            logprobs=True, top_logprobs=2)
+        text = r.choices[0].message.content
+        assert r.object == "chat.completion" and r.choices[0].message.role == "assistant" and text
+        assert "<|im_end|>" not in text and r.usage.completion_tokens == len(r.choices[0].model_extra["token_ids"])
+        content = r.choices[0].logprobs.content
+        assert "".join(lp.token for lp in content) == text if r.choices[0].finish_reason == "length" else True
+        assert all(len(lp.top_logprobs) == 2 and lp.top_logprobs[0].logprob == lp.logprob for lp in content)
+        stream = await c.chat.completions.create(model=s.model, messages=messages, max_tokens=16, temperature=0,
+                                                 stream=True)
+        chunks = [ch async for ch in stream]
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == text
+        cut = text[len(text) // 2:].strip()[:1] or "3"  # a character of the reply's second half
+        stopped = await c.chat.completions.create(model=s.model, messages=messages, max_tokens=16, temperature=0,
+                                                  stop=[cut])
+        assert stopped.choices[0].finish_reason == "stop" and cut not in stopped.choices[0].message.content
+        assert text.startswith(stopped.choices[0].message.content)
+
+
+async def _converse(served, seed: int) -> tuple[list[str], list[int]]:
+    messages, replies, cached = [], [], []
+    async with served.client() as c:
+        for turn, question in enumerate(QUESTIONS):
+            messages.append({"role": "user", "content": question})
+            r = await c.chat.completions.create(model=served.model, messages=messages, max_tokens=8,
+                                                temperature=0.7, seed=seed + turn)
+            reply = r.choices[0].message.content
+            replies.append(reply)
+            cached.append(r.usage.prompt_tokens_details.cached_tokens)
+            messages.append({"role": "assistant", "content": reply})
+    return replies, cached
+
+
+async def test_six_turn_chat_is_identical_with_the_prefix_cache(real_engine):
+    async with http_api(real_engine, default_window=512, prefix_cache_bytes=0) as s:
+        plain, none_cached = await _converse(s, 11)
+    reused, retokenized = _reuse("reused"), _reuse("retokenized")
+    async with http_api(real_engine, default_window=512) as s:
+        replies, cached = await _converse(s, 11)
+    assert replies == plain
+    assert none_cached == [0] * 6
+    assert cached[0] == 0 and all(b > a for a, b in zip(cached, cached[1:])), cached
+    assert _reuse("reused") - reused == 6 and _reuse("retokenized") == retokenized  # every reply was reusable
