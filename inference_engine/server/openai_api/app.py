@@ -93,8 +93,7 @@ def build_app(state: ApiState) -> FastAPI:
         return JSONResponse(error_body(message, exc.status_code, code), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))
 
-    app.add_exception_handler(StarletteHTTPException, http_error)
-    app.add_exception_handler(Exception, lambda request, exc: error_response(exc))
+    app.add_exception_handler(StarletteHTTPException, http_error)  # unexpected errors: observer.RequestObserver
 
     @app.get("/health", summary="200 when serving; 503 while the model loads or the server drains")
     async def health() -> JSONResponse:
@@ -166,7 +165,7 @@ async def _respond(s: Serving, job: CompletionJob):
                 except StopAsyncIteration:
                     break
             yield "data: [DONE]\n\n"
-        except RuntimeServiceError as exc:  # mid-stream: the status is sent; the error goes in the stream
+        except Exception as exc:  # noqa: BLE001 - mid-stream: the status is sent; the error goes in the stream
             yield _data(error_of(exc)[1])
         finally:
             await events.aclose()

@@ -9,6 +9,7 @@ bounds request bodies (413 before the bytes arrive in full).
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from contextvars import ContextVar
@@ -72,10 +73,12 @@ class RequestObserver:
         path = scope.get("path", "")
         route = path if path in ROUTES else "other"
 
+        is_started = False
+
         async def observed_send(message: dict[str, Any]) -> None:
-            nonlocal status
+            nonlocal status, is_started
             if message["type"] == "http.response.start":
-                status = message["status"]
+                status, is_started = message["status"], True
             await send(message)
 
         received = 0
@@ -93,7 +96,13 @@ class RequestObserver:
             if length.isdigit() and int(length) > self.max_body_bytes:
                 await self._refuse(RequestTooLarge(self._too_large(int(length))), observed_send)
                 return
-            await self.app(scope, bounded_receive, observed_send)
+            try:
+                await self.app(scope, bounded_receive, observed_send)
+            except Exception as exc:  # noqa: BLE001 - unexpected: answered 500 here, logged once (error_of)
+                if is_started:
+                    log.error("unexpected error after the response started", exc_info=exc)
+                    return
+                await self._refuse(exc, observed_send)
         finally:
             seconds = time.perf_counter() - start
             metrics.HTTP_REQUESTS.labels(route, str(status)).inc()
@@ -106,12 +115,10 @@ class RequestObserver:
         return f"the request body has {n} bytes or more; this server accepts at most {self.max_body_bytes}"
 
     @staticmethod
-    async def _refuse(exc: RequestTooLarge, send: Send) -> None:
-        import json
-
-        status, body, _ = error_of(exc)
+    async def _refuse(exc: Exception, send: Send) -> None:
+        status, body, headers = error_of(exc)
         data = json.dumps(body).encode()
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
-                                (b"connection", b"close")]})
+                                (b"connection", b"close"), *((k.lower().encode(), v.encode()) for k, v in headers.items())]})
         await send({"type": "http.response.body", "body": data})

@@ -1,0 +1,148 @@
+"""The HTTP API when things go wrong underneath: errors mid-stream, sessions vanishing from the prefix
+cache, a server still loading, a port in use. Faults are injected into a real runtime (labelled)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+
+from inference_engine.config import add_server_flags, config_from_args
+from inference_engine.errors import SessionBusy, SessionNotFound
+from inference_engine.runtime.types import GenerateChunk
+from inference_engine.security.authenticator import Authenticator
+from inference_engine.server.openai_api.http_server import HttpFrontend
+from tests.conftest import make_config
+from tests.openai_helpers import http_api
+
+PROMPT = [5, 17, 42, 99, 3]
+
+
+def ids(choice) -> list[int]:
+    return choice.model_extra["token_ids"]
+
+
+@pytest.fixture
+def failing_generate(monkeypatch):
+    """Fault injection: the runtime's Generate streams one token, then fails (SessionBusy)."""
+
+    def install(runtime):
+        async def generate(params, emit):
+            await emit(GenerateChunk((7,)))
+            raise SessionBusy("injected: busy")
+
+        monkeypatch.setattr(runtime, "generate", generate)
+
+    return install
+
+
+async def test_an_error_mid_stream_is_sent_in_the_stream(tiny_engine, failing_generate):
+    async with http_api(tiny_engine) as s, httpx.AsyncClient(base_url=s.base_url) as h:
+        failing_generate(s.runtime)
+        async with h.stream("POST", "/completions", json={"model": s.model, "prompt": PROMPT, "stream": True}) as r:
+            lines = [line async for line in r.aiter_lines() if line]
+        assert r.status_code == 200 and json.loads(lines[0][6:])["choices"][0]["token_ids"] == [7]
+        assert json.loads(lines[-1][6:])["error"]["code"] == "session_busy"
+        plain = await h.post("/completions", json={"model": s.model, "prompt": PROMPT})
+        assert plain.status_code == 409 and plain.json()["error"]["type"] == "conflict_error"
+        assert [x.is_busy for x in s.runtime.store.sessions()] == [False]  # given back to the cache, idle
+
+
+async def test_unexpected_errors_are_500_without_a_traceback(tiny_engine, monkeypatch):
+    async with http_api(tiny_engine) as s, s.client() as c:
+        async def explode(*args, **kwargs):
+            raise KeyError("boom")
+
+        monkeypatch.setattr(s.runtime, "create_session", explode)  # fault injection
+        with pytest.raises(openai.InternalServerError) as err:
+            await c.completions.create(model=s.model, prompt=PROMPT, max_tokens=2)
+        assert err.value.status_code == 500 and err.value.body["message"] == "internal error: KeyError"
+        assert err.value.body["type"] == "server_error" and "boom" not in err.value.message
+
+
+async def test_a_cached_session_gone_meanwhile_is_prefilled_again(tiny_engine, monkeypatch):
+    async with http_api(tiny_engine) as s, s.client() as c:
+        first = await c.completions.create(model=s.model, prompt=PROMPT, max_tokens=3, temperature=0)
+        history = PROMPT + ids(first.choices[0]) + [1]
+        real_append = s.runtime.append_tokens
+        calls = []
+
+        async def vanish_once(p):  # fault injection: the taken session disappears before its append
+            calls.append(p.session_id)
+            if len(calls) == 1:
+                s.runtime.store.close(p.session_id, p.owner)
+                raise SessionNotFound("injected: gone")
+            return await real_append(p)
+
+        monkeypatch.setattr(s.runtime, "append_tokens", vanish_once)
+        again = await c.completions.create(model=s.model, prompt=history, max_tokens=3, temperature=0)
+        assert again.usage.prompt_tokens_details.cached_tokens == 0 and len(calls) == 2
+        monkeypatch.undo()
+        async with http_api(tiny_engine, prefix_cache_bytes=0) as fresh, fresh.client() as c2:
+            plain = await c2.completions.create(model=fresh.model, prompt=history, max_tokens=3, temperature=0)
+        assert ids(again.choices[0]) == ids(plain.choices[0])
+
+
+async def test_expired_and_oversized_sessions_are_not_kept(tiny_engine):
+    async with http_api(tiny_engine, prefix_cache_bytes=1) as s, s.client() as c:  # every session over the bound
+        await c.completions.create(model=s.model, prompt=PROMPT, max_tokens=2)
+        assert len(s.http.serving.service.cache) == 0 and s.runtime.store.slabs_in_use == 0
+    async with http_api(tiny_engine, session_ttl_s=0.001) as s, s.client() as c:
+        r = await c.completions.create(model=s.model, prompt=PROMPT, max_tokens=2, temperature=0)
+        await asyncio.sleep(0.01)  # past the TTL: the kept session expires
+        again = await c.completions.create(model=s.model, prompt=PROMPT + ids(r.choices[0]), max_tokens=2)
+        assert again.usage.prompt_tokens_details.cached_tokens == 0
+
+
+async def test_n_choices_that_do_not_fit_the_pool_leave_nothing_open(tiny_engine):
+    async with http_api(tiny_engine, max_sessions=2, prefix_cache_bytes=0) as s, s.client() as c:
+        with pytest.raises(openai.RateLimitError):
+            await c.completions.create(model=s.model, prompt=PROMPT, max_tokens=2, n=3)
+        assert s.runtime.store.slabs_in_use == 0
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"max_tokens": 3, "max_completion_tokens": 4}, "max_completion_tokens"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"user": "u" * 300}, "user"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "x" * (1 << 20)}, {"type": "text",
+                                                                                          "text": "y"}]}]}, "content"),
+])
+async def test_bad_chat_fields_are_400(tiny_engine, fields, param):
+    async with http_api(tiny_engine) as s, s.client() as c:
+        body = {"model": s.model, "messages": [{"role": "user", "content": "hi"}], **fields}
+        with pytest.raises(openai.BadRequestError) as err:
+            await c.chat.completions.create(**body)
+        assert err.value.param == param
+
+
+async def test_loading_server_and_port_in_use(tiny_engine):
+    http = HttpFrontend(make_config(), Authenticator())
+    port = await http.start("127.0.0.1", 0)
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as h:
+            assert (await h.get("/health")).json() == {"status": "loading"}
+            r = await h.post("/v1/completions", json={"model": "m", "prompt": [1]})
+            assert r.status_code == 503 and "loading" in r.json()["error"]["message"]
+        with pytest.raises(OSError):
+            await HttpFrontend(make_config(), Authenticator()).start("127.0.0.1", port)
+    finally:
+        await http.stop(0.1)
+    await http.stop(0.1)  # a second stop is a no-op
+
+
+def test_http_with_client_certificates_needs_tokens(pki):
+    parser = argparse.ArgumentParser()
+    add_server_flags(parser)
+    args = parser.parse_args(["--http-port", "8080", "--tls-cert", str(pki.server.cert), "--tls-key",
+                              str(pki.server.key), "--tls-client-ca", str(pki.ca)])
+    with pytest.raises(ValueError, match="--auth-token-file"):
+        config_from_args(args)
+    args = parser.parse_args(["--http-port", "70000"])
+    with pytest.raises(ValueError, match="--http-port"):
+        config_from_args(args)
