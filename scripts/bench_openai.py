@@ -1,0 +1,240 @@
+#!/usr/bin/env python
+"""Benchmark the OpenAI-compatible HTTP API through the official `openai` client, against peers.
+
+Same machine, same run: our `serve --http-port` (its defaults: q4_1 weights, the exact tile)
+and, where available, mlx-lm's `mlx_lm server` on the packaged fp32 folder (OpenBLAS preloaded,
+as our server runs) and llama-cpp-python's server on the GGUF. Per engine:
+
+- chat TTFT: one 8-turn conversation, each request sending the whole history (stateless, as
+  every OpenAI client does), streamed, greedy, `max_tokens` 32: time from sending a turn to its
+  first content chunk, per turn (our prefix cache reuses the previous turn's session: only
+  the new message is prefilled). Ours also reports cached_tokens per turn and how many
+  replies re-tokenized differently in the rendered history (the cache then reuses less).
+- throughput: completion tok/s of 1 client, and the aggregate of 8 concurrent clients
+  (each 64 tokens on its own prompt, seeded sampling; usage.completion_tokens over wall time).
+- seeded copies: a seeded sampled request alone, then 8 concurrent copies beside 4 other
+  requests; how many copies equal the solo completion.
+
+Usage: scripts/bench_openai.py [--out FILE] [--no-peers]. Writes results/openai/<date>-<host>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import time
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+QUESTIONS = ("What is the capital of France?", "And of Italy?", "Which one is bigger?", "Name a famous dish from each.",
+             "Which is easier to cook?", "Give me its ingredients.", "How long does it take?", "Thanks, summarize.")
+TOPICS = ("the sea", "a mountain", "the moon", "a forest", "the desert", "a city", "the rain", "a river")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_http(url: str, proc: subprocess.Popen, timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url}: the server exited with status {proc.returncode}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{url}: not ready after {timeout_s} s")
+
+
+def _env_with_openblas() -> dict[str, str]:
+    lib = subprocess.run([sys.executable, "-m", "inference_engine.blas"], capture_output=True, text=True,
+                         cwd=REPO).stdout.strip()
+    env = dict(os.environ)
+    if lib:
+        env["LD_PRELOAD"] = lib + (":" + env["LD_PRELOAD"] if env.get("LD_PRELOAD") else "")
+    return env
+
+
+def start_ours(log: Path) -> tuple[subprocess.Popen, str, int]:
+    port, http_port, metrics_port = _free_port(), _free_port(), _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "inference_engine", "serve", "--port", str(port), "--http-port",
+                             str(http_port), "--metrics-port", str(metrics_port), "--max-sessions", "16"],
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=log.open("w"), start_new_session=True)
+    _wait_http(f"http://127.0.0.1:{http_port}/health", proc)
+    return proc, f"http://127.0.0.1:{http_port}/v1", metrics_port
+
+
+def start_mlx_lm(model_dir: Path, log: Path) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "mlx_lm", "server", "--model", str(model_dir), "--port", str(port)],
+                            cwd=REPO, env=_env_with_openblas(), stdout=subprocess.DEVNULL, stderr=log.open("w"),
+                            start_new_session=True)
+    _wait_http(f"http://127.0.0.1:{port}/health", proc)  # its /v1/models scans a Hugging Face cache
+    return proc, f"http://127.0.0.1:{port}/v1"
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def chat_ttft(client: openai.OpenAI, model: str, system: str | None = None) -> dict[str, Any]:
+    messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
+    ttft, cached, prompt_tokens = [], [], []
+    for question in QUESTIONS:
+        messages.append({"role": "user", "content": question})
+        start = time.perf_counter()
+        first = None
+        reply, usage = [], None
+        stream = client.chat.completions.create(model=model, messages=messages, max_tokens=32, temperature=0,
+                                                stream=True, stream_options={"include_usage": True})
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                if first is None:
+                    first = time.perf_counter() - start
+                reply.append(chunk.choices[0].delta.content)
+            if chunk.usage is not None:
+                usage = chunk.usage
+        ttft.append(round((first or 0.0) * 1e3, 1))
+        details = getattr(usage, "prompt_tokens_details", None) if usage else None
+        cached.append(getattr(details, "cached_tokens", None) if details else None)
+        prompt_tokens.append(usage.prompt_tokens if usage else None)
+        messages.append({"role": "assistant", "content": "".join(reply)})
+    return {"ttft_ms": ttft, "turn1_ms": ttft[0], "turn8_ms": ttft[-1], "turn8_over_turn1": round(ttft[-1] / ttft[0], 2),
+            "prompt_tokens": prompt_tokens, "cached_tokens": cached}
+
+
+def _one(client: openai.OpenAI, model: str, topic: str, seed: int, max_tokens: int) -> tuple[int, str]:
+    r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": f"Write a story about {topic}."}],
+                                       max_tokens=max_tokens, temperature=0.8, seed=seed)
+    return r.usage.completion_tokens, r.choices[0].message.content
+
+
+def throughput(client: openai.OpenAI, model: str) -> dict[str, Any]:
+    start = time.perf_counter()
+    n, _ = _one(client, model, TOPICS[0], 1, 64)
+    single = n / (time.perf_counter() - start)
+    with cf.ThreadPoolExecutor(8) as pool:
+        start = time.perf_counter()
+        results = list(pool.map(lambda i: _one(client, model, TOPICS[i], 100 + i, 64), range(8)))
+        wall = time.perf_counter() - start
+    return {"one_client_tok_s": round(single, 1), "eight_clients_tok_s": round(sum(n for n, _ in results) / wall, 1),
+            "eight_clients_tokens": [n for n, _ in results]}
+
+
+def seeded_copies(client: openai.OpenAI, model: str) -> dict[str, Any]:
+    _, solo = _one(client, model, "a lighthouse", 42, 32)
+    with cf.ThreadPoolExecutor(12) as pool:
+        copies = [pool.submit(_one, client, model, "a lighthouse", 42, 32) for _ in range(8)]
+        noise = [pool.submit(_one, client, model, TOPICS[i], 7 + i, 24 + 4 * i) for i in range(4)]
+        texts = [f.result()[1] for f in copies]
+        for f in noise:
+            f.result()
+    return {"equal_to_solo": sum(t == solo for t in texts), "copies": 8}
+
+
+def _metric(metrics_port: int, name: str, label: str) -> float:
+    text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics").text
+    for line in text.splitlines():
+        if line.startswith(f'{name}{{outcome="{label}"}}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def chats(client: openai.OpenAI, model: str, reps: int) -> dict[str, Any]:
+    """`reps` conversations (each its own system prompt: no prefix shared), per-turn median TTFT."""
+    runs = [chat_ttft(client, model, f"You are assistant number {i}.") for i in range(reps)]
+    turns = list(zip(*(r["ttft_ms"] for r in runs)))
+    median = [sorted(t)[len(t) // 2] for t in turns]
+    return {"median_ttft_ms": median, "turn1_ms": median[0], "turn8_ms": median[-1],
+            "turn8_over_turn1": round(median[-1] / median[0], 2), "runs": runs}
+
+
+def measure(base_url: str, model: str | None = None, reps: int = 3, timeout_s: float = 600) -> dict[str, Any]:
+    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=timeout_s)
+    model = model or client.models.list().data[0].id
+    chat_ttft(client, model, "Warm up.")  # first-call costs; another conversation (no prefix to reuse)
+    return {"model": model, "chat": chats(client, model, reps), "throughput": throughput(client, model),
+            "seeded": seeded_copies(client, model)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--no-peers", action="store_true")
+    args = parser.parse_args()
+    out = args.out or REPO / "results" / "openai" / f"{date.today()}-{platform.node()}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    logs = out.parent / "logs"
+    logs.mkdir(exist_ok=True)
+    report: dict[str, Any] = {"date": str(date.today()), "host": platform.node(), "cpus": os.cpu_count(),
+                              "load_avg_start": os.getloadavg(), "engines": {}}
+    proc, url, metrics_port = start_ours(logs / "ours.log")
+    try:
+        before = {o: _metric(metrics_port, "inference_engine_chat_reply_reuse_total", o) for o in ("reused", "retokenized")}
+        report["engines"]["ours"] = measure(url)
+        after = {o: _metric(metrics_port, "inference_engine_chat_reply_reuse_total", o) for o in ("reused", "retokenized")}
+        report["engines"]["ours"]["reply_reuse"] = {o: after[o] - before[o] for o in after}
+    finally:
+        _stop(proc)
+    if args.no_peers:
+        report["engines"]["mlx_lm"] = "unavailable: --no-peers"
+    else:
+        from inference_engine.config import default_cache_dir
+        from inference_engine.model.packaged import ensure_packaged_model
+
+        try:
+            proc, url = start_mlx_lm(ensure_packaged_model(default_cache_dir()), logs / "mlx_lm.log")
+            try:
+                report["engines"]["mlx_lm"] = measure(url, model="default_model")
+            finally:
+                _stop(proc)
+        except Exception as exc:  # noqa: BLE001 - a peer that cannot run is reported, not fatal
+            report["engines"]["mlx_lm"] = f"unavailable: {type(exc).__name__}: {exc}"
+    try:
+        import llama_cpp.server  # noqa: F401
+        report["engines"]["llama_cpp"] = "unavailable: not measured by this script yet"
+    except ImportError:
+        report["engines"]["llama_cpp"] = ("unavailable: llama-cpp-python is not installed (requirements-bench.txt; "
+                                          "it compiles llama.cpp from source)")
+    report["load_avg_end"] = os.getloadavg()
+    ours = report["engines"]["ours"]
+    peer = report["engines"]["mlx_lm"]
+    report["goals"] = {
+        "turn8_le_1.5x_turn1": ours["chat"]["turn8_ms"] <= 1.5 * ours["chat"]["turn1_ms"],
+        "seeded_8_of_8": ours["seeded"]["equal_to_solo"] == 8,
+    }
+    if isinstance(peer, dict):
+        report["goals"]["turn8_le_0.5x_mlx_lm"] = ours["chat"]["turn8_ms"] <= 0.5 * peer["chat"]["turn8_ms"]
+        report["goals"]["eight_clients_ge_2.5x_mlx_lm"] = (ours["throughput"]["eight_clients_tok_s"]
+                                                          >= 2.5 * peer["throughput"]["eight_clients_tok_s"])
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
