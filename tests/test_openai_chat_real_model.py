@@ -38,6 +38,11 @@ async def test_chat_plain_streamed_stop_and_logprobs(real_engine):
                                                   stop=[cut])
         assert stopped.choices[0].finish_reason == "stop" and cut not in stopped.choices[0].message.content
         assert text.startswith(stopped.choices[0].message.content)
+        parts = [{"role": "system", "content": [{"type": "text", "text": "Answer "}, {"type": "text", "text": "briefly."}]},
+                 messages[1], {"role": "assistant", "content": None}, {"role": "user", "content": "Again."}]
+        assert (await c.chat.completions.create(model=s.model, messages=parts, max_tokens=2)).usage.completion_tokens
+        done = await c.completions.create(model=s.model, prompt="The capital of France is", max_tokens=4, temperature=0)
+        assert done.choices[0].text and done.usage.prompt_tokens == 5
 
 
 async def _converse(served, seed: int) -> tuple[list[str], list[int]]:

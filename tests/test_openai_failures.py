@@ -146,3 +146,28 @@ def test_http_with_client_certificates_needs_tokens(pki):
     args = parser.parse_args(["--http-port", "70000"])
     with pytest.raises(ValueError, match="--http-port"):
         config_from_args(args)
+
+
+@pytest.mark.parametrize("is_hit", [True, False])
+async def test_a_failed_append_leaves_nothing_open(tiny_engine, monkeypatch, is_hit):
+    from inference_engine.errors import InvalidRequest
+
+    async with http_api(tiny_engine) as s, s.client() as c:
+        first = await c.completions.create(model=s.model, prompt=PROMPT, max_tokens=2, temperature=0)
+        prompt = PROMPT + ids(first.choices[0]) + [9] if is_hit else [8, 8, 8]
+
+        async def refuse(p):  # fault injection
+            raise InvalidRequest("injected: refused", "tokens")
+
+        monkeypatch.setattr(s.runtime, "append_tokens", refuse)
+        with pytest.raises(openai.BadRequestError):
+            await c.completions.create(model=s.model, prompt=prompt, max_tokens=2)
+        assert len(s.runtime.store.sessions()) == len(s.http.serving.service.cache) == 1  # the first one, kept
+
+
+@pytest.mark.parametrize("prompt", ["", ["a", "b"], [1, "a"]])
+async def test_one_nonempty_prompt_per_request(tiny_engine, prompt):
+    async with http_api(tiny_engine) as s, s.client() as c:
+        with pytest.raises(openai.BadRequestError) as err:
+            await c.completions.create(model=s.model, prompt=prompt)
+        assert err.value.param.startswith("prompt")  # a schema error names the union member: prompt.str
