@@ -79,6 +79,11 @@ async def test_seed_temperature_and_n(tiny_engine):
         assert ids(two.choices[0]) == ids(one.choices[0])  # choice 0 samples with the request's seed
         assert ids(two.choices[1]) != ids(two.choices[0])  # choice 1 with seed + 1
         assert two.usage.completion_tokens == 24 and two.usage.prompt_tokens == 5
+        streamed: dict[int, list[int]] = {0: [], 1: []}
+        async for chunk in await c.completions.create(**ask, n=2, stream=True):
+            for choice in chunk.choices:
+                streamed[choice.index] += ids(choice)
+        assert streamed == {0: ids(two.choices[0]), 1: ids(two.choices[1])}  # interleaved, each choice whole
 
 
 async def test_seeded_copies_under_load_equal_solo(tiny_engine):
