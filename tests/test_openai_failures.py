@@ -171,3 +171,30 @@ async def test_one_nonempty_prompt_per_request(tiny_engine, prompt):
         with pytest.raises(openai.BadRequestError) as err:
             await c.completions.create(model=s.model, prompt=prompt)
         assert err.value.param.startswith("prompt")  # a schema error names the union member: prompt.str
+
+
+async def test_https_with_the_grpc_ports_certificate_and_tokens(tiny_engine, pki, tmp_path):
+    import ssl
+
+    from inference_engine.runtime.runtime import Runtime
+    from inference_engine.security.settings import ServerSecurity
+
+    token = "tls-tenant-" + "t" * 32
+    (tmp_path / "tokens").write_text(token + "\n")
+    security = ServerSecurity(tls_cert=pki.server.cert, tls_key=pki.server.key, auth_token_file=tmp_path / "tokens")
+    runtime = Runtime(tiny_engine, make_config(security=security))
+    http = HttpFrontend(runtime.config)  # the authenticator from the config's token file, as serve builds it
+    port = await http.start("127.0.0.1", 0)
+    http.attach(runtime)
+    trust = ssl.create_default_context(cafile=str(pki.ca))
+    try:
+        async with openai.AsyncOpenAI(base_url=f"https://127.0.0.1:{port}/v1", api_key=token, max_retries=0,
+                                      http_client=httpx.AsyncClient(verify=trust)) as c:
+            r = await c.completions.create(model="random-0", prompt=PROMPT, max_tokens=2)
+            assert r.usage.completion_tokens == 2
+        async with httpx.AsyncClient() as plain:
+            with pytest.raises(httpx.HTTPError):  # plaintext HTTP on the TLS port
+                await plain.get(f"http://127.0.0.1:{port}/health")
+    finally:
+        await http.stop(0.1)
+        runtime.store.close_all()
