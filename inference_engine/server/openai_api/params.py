@@ -14,7 +14,7 @@ from inference_engine.config import ServerConfig
 from inference_engine.decoding.options import GenerationOptions
 from inference_engine.decoding.sampler import SamplingParams
 from inference_engine.errors import InvalidRequest, UnknownModel
-from inference_engine.server.openai_api.schema import ChatCompletionRequest, CompletionRequest, _Sampling
+from inference_engine.server.openai_api.schema import ChatCompletionRequest, CompletionRequest, SamplingFields
 from inference_engine.server.validation import Validator
 from inference_engine.text.chat import ChatInput, TextInput
 from inference_engine.text.codec import ChatMessage
@@ -42,7 +42,7 @@ def _refuse(field: str, why: str) -> InvalidRequest:
     return InvalidRequest(f"{field} {why}", field)
 
 
-def _check_unsupported(body: _Sampling) -> None:
+def _check_unsupported(body: SamplingFields) -> None:
     """A clear 400 for every OpenAI field this server does not implement."""
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(body, name)
@@ -81,7 +81,7 @@ def seed_of_choice(seed: int, index: int) -> int:
     return (seed + index) % _UINT64
 
 
-def _options(v: Validator, body: _Sampling, top_logprobs: int | None) -> GenerationOptions:
+def _options(v: Validator, body: SamplingFields, top_logprobs: int | None) -> GenerationOptions:
     real = lambda name, default: v.real(f"body.{name}", default if getattr(body, name) is None else getattr(body, name))  # noqa: E731
     sampling = SamplingParams(
         temperature=real("temperature", 1.0),
@@ -98,7 +98,7 @@ def _options(v: Validator, body: _Sampling, top_logprobs: int | None) -> Generat
     )
 
 
-def _common(v: Validator, cfg: ServerConfig, body: _Sampling, served_model: str, max_tokens: int | None) -> tuple[int, int]:
+def _common(v: Validator, cfg: ServerConfig, body: SamplingFields, served_model: str, max_tokens: int | None) -> tuple[int, int]:
     if body.model != served_model:
         raise UnknownModel(f"model {body.model!r} is not served here; GET /v1/models lists {served_model!r}")
     _check_unsupported(body)

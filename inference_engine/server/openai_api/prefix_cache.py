@@ -25,12 +25,13 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
 from inference_engine import metrics
 from inference_engine.errors import SessionNotFound
+from inference_engine.session.session import Session
 from inference_engine.session.session_store import SessionStore
 from inference_engine.short_id import short_id
 
@@ -83,7 +84,7 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._kept)
 
-    def _sessions(self):
+    def _sessions(self) -> Iterator[Session]:
         for sid, owner in list(self._kept.items()):
             try:
                 yield self.store.get(sid, owner)

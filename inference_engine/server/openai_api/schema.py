@@ -14,18 +14,20 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 
-class _Body(BaseModel):
+class Body(BaseModel):
+    """A part of a request body; fields no OpenAI client sends are ignored."""
+
     model_config = ConfigDict(extra="ignore")
 
 
-class TextPart(_Body):
+class TextPart(Body):
     """One part of a message's content (only text parts are servable)."""
 
     type: Literal["text"] = Field(description="only 'text' parts are supported")
     text: str
 
 
-class Message(_Body):
+class Message(Body):
     """One chat message."""
 
     role: Literal["system", "developer", "user", "assistant"] = Field(
@@ -42,13 +44,13 @@ class Message(_Body):
         return "".join(part.text for part in self.content)
 
 
-class StreamOptions(_Body):
+class StreamOptions(Body):
     """What a streamed response adds."""
 
     include_usage: bool = Field(default=False, description="a last chunk with `usage` and no choices")
 
 
-class _Sampling(_Body):
+class SamplingFields(Body):
     """Fields both endpoints share."""
 
     model: str = Field(description="the id GET /v1/models lists")
@@ -73,7 +75,7 @@ class _Sampling(_Body):
     ignore_eos: bool | None = Field(default=False, description="extension: keep going past EOS tokens")
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions."""
 
     messages: list[Message]
@@ -88,7 +90,7 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: Any = Field(default=None, description="not supported")
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingFields):
     """POST /v1/completions."""
 
     prompt: str | list[int] | list[str] | list[list[int]] = Field(
