@@ -15,17 +15,31 @@ import pytest
 from inference_engine.config import ServerConfig, default_cache_dir
 from inference_engine.model.loader import LoadedModel, load_model, random_model
 from inference_engine.model.packaged import ensure_packaged_model
-from inference_engine.quant_kernel import enable_native_kernels
 from inference_engine.runtime.engine import Engine
 from inference_engine.runtime.runtime import Runtime
 from inference_engine.server.server import start_server
 from inference_engine.v1 import runtime_pb2_grpc as pb_grpc
+from tests.kernel_guard import assert_full_tile, bind_test_kernels
+
+_ARITHMETIC: dict[str, str] = {}  # which path this run tests (pytest_report_header shows it)
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Bind the native kernels before any forward, as servers and workers do at start
-    (so in-process references and servers compute the same bits); MLX ops where it cannot."""
-    enable_native_kernels()
+    """Bind the native kernels before any forward, as servers and workers do at start (so in-process
+    references and servers compute the same bits); on Linux a kernel that does not bind stops the run.
+
+    Raises:
+        pytest.UsageError: on Linux, the native kernels (or the exact-gemm kernel they compute with) did not bind.
+    """
+    path, problem = bind_test_kernels()
+    if problem:
+        raise pytest.UsageError(problem)
+    _ARITHMETIC["path"] = path
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    """Say which arithmetic the batteries test (native kernels, or MLX ops and why)."""
+    return f"inference_engine arithmetic: {_ARITHMETIC.get('path', 'not decided')}"
 
 
 @pytest.fixture(scope="session")
@@ -49,7 +63,7 @@ def real_model(real_model_path: Path) -> LoadedModel:
 @pytest.fixture(scope="session")
 def real_engine(real_model: LoadedModel) -> Iterator[Engine]:
     """Exact engine over the real model (shared: probing costs ~0.5 s)."""
-    e = Engine(real_model, exact=True, max_tile=16, plain_block=64, max_rollback=8)
+    e = assert_full_tile(Engine(real_model, exact=True, max_tile=16, plain_block=64, max_rollback=8))
     yield e
     e.close()
 
@@ -77,7 +91,7 @@ async def running_server(engine: Engine, **overrides: object) -> AsyncIterator[t
 @pytest.fixture(scope="session")
 def tiny_engine(tiny: LoadedModel) -> Iterator[Engine]:
     """Exact engine over the tiny model, shared by the server-surface tests."""
-    e = Engine(tiny, exact=True, max_tile=16, plain_block=64, max_rollback=8)
+    e = assert_full_tile(Engine(tiny, exact=True, max_tile=16, plain_block=64, max_rollback=8))
     yield e
     e.close()
 

@@ -14,6 +14,7 @@ from inference_engine.v1 import runtime_pb2 as pb
 from tests.blas_env import EXPECTED_BLAS, linux_openblas
 from tests.conftest import running_server
 from tests.exactness import chunkings, feed
+from tests.kernel_guard import assert_full_tile, is_kernel_bound
 
 pytestmark = pytest.mark.real_model
 
@@ -25,7 +26,8 @@ CHUNKINGS = {**chunkings(N), "straddle wrap": [30, 10, 80], "tile edges": [11, 1
 @pytest.fixture(scope="module")
 def real_engine(real_model):
     """The exact engine at the server's default largest tile (64), not conftest's 16."""
-    e = Engine(real_model, exact=True, max_tile=ServerConfig().max_tile, plain_block=64, max_rollback=8)
+    e = assert_full_tile(Engine(real_model, exact=True, max_tile=ServerConfig().max_tile, plain_block=64,
+                                max_rollback=8))
     yield e
     e.close()
 
@@ -42,9 +44,9 @@ def reference(real_engine, tokens):
 
 def test_openblas_is_active_and_tile_probed(real_engine):
     assert active_blas().startswith(EXPECTED_BLAS), "the battery must run on the platform's fast BLAS"
-    assert real_engine.is_exact and real_engine.block >= 2
-    if "exact-gemm kernel" in active_blas():  # row-invariant by construction up to 64 rows
-        assert real_engine.block == 64
+    assert real_engine.is_exact and ServerConfig().max_tile == 64
+    if is_kernel_bound():  # always on Linux (conftest): row-invariant by construction up to 64 rows
+        assert "exact-gemm kernel" in active_blas() and real_engine.block == 64
 
 
 @pytest.mark.parametrize("name", sorted(CHUNKINGS))

@@ -24,8 +24,9 @@ from inference_engine.v1 import runtime_pb2 as pb
 from tests.blas_env import linux_openblas
 from tests.conftest import make_config, running_server
 from tests.exactness import feed
+from tests.kernel_guard import assert_full_tile
 from tests.shard_helpers import ref_block, reference, running_workers, spawn_worker
-from tests.test_batching import DRAFT, GREEDY, LOOKUP, Scenario, _play, _tokens
+from tests.batching_helpers import DRAFT, GREEDY, LOOKUP, Scenario, play, random_tokens
 from tests.test_exact_real_model import CHUNKINGS, N, SINK, WINDOW
 
 pytestmark = [pytest.mark.real_model, linux_openblas]
@@ -45,8 +46,8 @@ def fp32_engine(real_model, real_model_path):
     """fp32 with the packaged MLX-quantized draft, at the same tile (the cache geometry is part of the bits)."""
     from inference_engine.model.loader import load_model
 
-    e = Engine(real_model, exact=True, max_tile=64, plain_block=64, max_rollback=8,
-               draft=load_model(real_model_path.parent / "q4"))
+    e = assert_full_tile(Engine(real_model, exact=True, max_tile=64, plain_block=64, max_rollback=8,
+                                draft=load_model(real_model_path.parent / "q4")))
     yield e
     e.close()
 
@@ -81,14 +82,15 @@ def test_inv3_chunkings_give_the_fp32_digest(q4_engine, tokens, fp32_digest, nam
 async def test_batched_q4_1_sessions_are_the_fp32_solo_ones(q4_engine, fp32_engine, real_model):
     """Streams and digests after every step: q4_1, sessions batched, == fp32, each session alone."""
     v = real_model.spec.vocab_size
-    copy = _tokens(21, 10, v) * 3
+    copy = random_tokens(21, 10, v) * 3
     scenarios = [
-        Scenario(4, 32, _tokens(20, 30, v), (("gen", 20, GREEDY, 1), ("append", _tokens(22, 12, v)), ("gen", 6, GREEDY, 1))),
+        Scenario(4, 32, random_tokens(20, 30, v),
+                 (("gen", 20, GREEDY, 1), ("append", random_tokens(22, 12, v)), ("gen", 6, GREEDY, 1))),
         Scenario(4, 48, copy, (("gen", 16, LOOKUP, 4),), 0.2),
-        Scenario(2, 40, _tokens(23, 50, v), (("gen", 12, DRAFT, 4),), 0.4),
+        Scenario(2, 40, random_tokens(23, 50, v), (("gen", 12, DRAFT, 4),), 0.4),
     ]
     async with running_server(fp32_engine, max_sessions=3) as (stub, _):
-        solo = [await _play(stub, Scenario(s.sink, s.window, s.prompt, s.steps)) for s in scenarios]
+        solo = [await play(stub, Scenario(s.sink, s.window, s.prompt, s.steps)) for s in scenarios]
     seen = []
 
     def observe(rows: int, sessions: int, seconds: float) -> None:
@@ -97,7 +99,7 @@ async def test_batched_q4_1_sessions_are_the_fp32_solo_ones(q4_engine, fp32_engi
     q4_engine.scheduler.observers.append(observe)
     try:
         async with running_server(q4_engine, max_sessions=3) as (stub, _):
-            together = await asyncio.gather(*(_play(stub, s) for s in scenarios))
+            together = await asyncio.gather(*(play(stub, s) for s in scenarios))
     finally:
         q4_engine.scheduler.observers.remove(observe)
     assert max(seen) >= 2  # rows of several sessions shared forwards
@@ -117,9 +119,9 @@ async def test_speculative_gates_on_q4_1(q4_engine, fp32_engine, real_model):
     prompt = tok.encode(text, add_special_tokens=False)
     greedy = Scenario(4, 32, prompt, (("gen", 16, GREEDY, 1),))
     async with running_server(fp32_engine) as (stub, _):
-        fp32_greedy = await _play(stub, greedy)
+        fp32_greedy = await play(stub, greedy)
     async with running_server(q4_engine) as (stub, runtime):
-        assert await _play(stub, greedy) == fp32_greedy
+        assert await play(stub, greedy) == fp32_greedy
         report = await spec_gate.run_gates(stub, pb, lambda sid: runtime.store.get(sid).history, prompt,
                                            ["draft"], [4], 16, 4, 32)
     assert report.failures == 0, "\n".join(report.lines)
