@@ -68,6 +68,25 @@ def ref_block(v: SinkWindowVerifier, tokens: list[int], all_logits: bool = True,
     return out
 
 
+def chain_differences(chain: list[ShardEngine], loaded, sid: str, tokens: list[int], sizes: list[int]) -> list[int]:
+    """Feed `tokens` in blocks of `sizes` through `chain` (session `sid`, opened) and through the single process.
+
+    The route-vs-single-process comparison of the contract: every third block asks for the last
+    row's logits only, single rows on even steps go as decodes. Returns the steps (from 1) whose
+    logits are not bitwise the single process's.
+    """
+    ref, position, differ = reference(loaded), 0, []
+    for step, n in enumerate(sizes, start=1):
+        block = tokens[position : position + n]
+        all_logits = step % 3 != 0
+        got = run_chain(chain, sid, step, position, block, all_logits, decode=n == 1 and step % 2 == 0)
+        want = ref_block(ref, block, all_logits)
+        if got.dtype != np.float32 or got.tobytes() != want.tobytes():
+            differ.append(step)
+        position += n
+    return differ
+
+
 def open_msg(rsid: str = "s", epoch: int = 1, geometry: CacheGeometry = GEOMETRY, credits: int = 0,
              deadline_ns: int = 0) -> pb.ShardRequestFrame:
     """A SessionOpen frame."""
