@@ -16,6 +16,7 @@ from inference_engine.shard.client.route_backend import RouteBackend
 from inference_engine.shard.protocol.types import LayerRange
 from inference_engine.shard.worker.mlx_engine import MlxShardEngine
 from inference_engine.verifier.kv_cache import CacheGeometry, CanonicalKV, SinkWindowKVCache
+from tests.kernel_guard import assert_full_tile
 from tests.shard_helpers import shard_server
 
 TOKENS = np.random.default_rng(5).integers(0, 256, 80).tolist()
@@ -25,7 +26,7 @@ G = CacheGeometry(sink=2, window=4, max_block=3, max_rollback=2)
 
 @pytest.fixture(scope="module")
 def engine(tiny):
-    e = Engine(tiny, exact=True, max_tile=4, plain_block=64, max_rollback=8)
+    e = assert_full_tile(Engine(tiny, exact=True, max_tile=4, plain_block=64, max_rollback=8))
     yield e
     e.close()
 
@@ -135,7 +136,7 @@ async def test_states_that_do_not_fit_are_refused_and_free_everything(engine):
 async def _route_engine(tiny):
     head = MlxShardEngine(tiny.model, LayerRange(0, 1), block=8, max_rollback=9)
     tail = MlxShardEngine(tiny.model, LayerRange(1, 2), block=8, max_rollback=9)
-    engine = Engine(tiny, exact=True, max_tile=4, plain_block=64, max_rollback=8)
+    engine = assert_full_tile(Engine(tiny, exact=True, max_tile=4, plain_block=64, max_rollback=8))
     async with contextlib.AsyncExitStack() as stack:
         addresses = [(await stack.enter_async_context(shard_server(e)))[1] for e in (head, tail)]
         route = ShardRoute(addresses, 5.0, retry_interval_s=0.05)

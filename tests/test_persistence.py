@@ -18,6 +18,7 @@ from inference_engine.security.settings import ClientSecurity, ServerSecurity
 from inference_engine.session import snapshot_format as fmt
 from inference_engine.v1 import runtime_pb2 as pb
 from tests.certs import TOKEN_A, TOKEN_B, token_file
+from tests.kernel_guard import assert_full_tile
 from tests.ops_helpers import serving
 
 PROMPT = np.random.default_rng(4).integers(2, 256, 30).tolist()
@@ -25,7 +26,7 @@ PROMPT = np.random.default_rng(4).integers(2, 256, 30).tolist()
 
 @pytest.fixture(scope="module")
 def engine(tiny):
-    e = Engine(tiny, exact=True, max_tile=16, plain_block=64, max_rollback=8)
+    e = assert_full_tile(Engine(tiny, exact=True, max_tile=16, plain_block=64, max_rollback=8))
     yield e
     e.close()
 

@@ -19,6 +19,7 @@ from inference_engine.runtime.engine import Engine
 from inference_engine.v1 import runtime_pb2 as pb
 from inference_engine.v1 import runtime_pb2_grpc as pb_grpc
 from tests.conftest import running_server
+from tests.kernel_guard import assert_full_tile
 
 pytestmark = pytest.mark.real_model
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,7 +60,7 @@ async def test_readme_shard_example_serves_as_written(real_model):
         watchdog.cancel()
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=60)
-    engine = Engine(real_model, exact=True, max_tile=DEFAULT_MAX_TILE, plain_block=64, max_rollback=8)
+    engine = assert_full_tile(Engine(real_model, exact=True, max_tile=DEFAULT_MAX_TILE, plain_block=64, max_rollback=8))
     try:  # the server's own defaults, in one process
         async with running_server(engine) as (stub, _):
             assert routed == await _tokens(stub)  # the route is bitwise the single process

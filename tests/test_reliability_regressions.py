@@ -20,6 +20,7 @@ from inference_engine.text.chat import ChatLog, TextInput, resolve_input
 from inference_engine.text.codec import ChatMessage, TextCodec
 from inference_engine.v1 import runtime_pb2 as pb
 from tests.conftest import make_config, running_server
+from tests.kernel_guard import assert_full_tile
 from tests.ops_helpers import rpc_error, serving
 
 PROMPT = (5, 17, 33, 2, 250, 9, 9, 120, 64, 3)
@@ -103,7 +104,8 @@ def test_resolved_inputs_name_their_field():
 
 @pytest.fixture(scope="module")
 def draft_engine(tiny):
-    e = Engine(tiny, exact=True, max_tile=16, plain_block=64, max_rollback=8, draft=random_model(seed=1))
+    e = assert_full_tile(Engine(tiny, exact=True, max_tile=16, plain_block=64, max_rollback=8,
+                                draft=random_model(seed=1)))
     yield e
     e.close()
 

@@ -14,11 +14,12 @@ from inference_engine.session.session import Session
 from inference_engine.session.session_store import SessionStore
 from inference_engine.verifier import executor as executor_mod
 from inference_engine.verifier import tile_probe
+from tests.kernel_guard import assert_full_tile
 
 
 @pytest.fixture(scope="module")
 def engine(tiny):
-    e = Engine(tiny, exact=True, max_tile=16, plain_block=64, max_rollback=4)
+    e = assert_full_tile(Engine(tiny, exact=True, max_tile=16, plain_block=64, max_rollback=4))
     yield e
     e.close()
 

@@ -28,6 +28,7 @@ from inference_engine.session import snapshot_format as fmt
 from inference_engine.v1 import runtime_pb2 as pb
 from tests.certs import TOKEN_A, TOKEN_B, token_file
 from tests.conftest import running_server
+from tests.kernel_guard import assert_full_tile
 from tests.ops_helpers import serving
 
 PROMPT = np.random.default_rng(9).integers(2, 256, 40).tolist()
@@ -37,7 +38,7 @@ SINK, WINDOW = 4, 16  # the window wraps within PROMPT
 
 @pytest.fixture(scope="module")
 def engine(tiny):
-    e = Engine(tiny, exact=True, max_tile=16, plain_block=64, max_rollback=8)
+    e = assert_full_tile(Engine(tiny, exact=True, max_tile=16, plain_block=64, max_rollback=8))
     yield e
     e.close()
 

@@ -15,6 +15,7 @@ from inference_engine.runtime.engine import Engine
 from inference_engine.text.codec import ChatMessage, TextCodec, require
 from inference_engine.v1 import runtime_pb2 as pb
 from tests.conftest import running_server
+from tests.kernel_guard import assert_full_tile
 
 
 def _codec(template: str | None, render=None) -> TextCodec:
@@ -57,7 +58,7 @@ def test_address_variable(monkeypatch):
 
 @pytest.fixture(scope="module")
 def engine(tiny):
-    e = Engine(tiny, exact=True, max_tile=16, plain_block=64, max_rollback=8)
+    e = assert_full_tile(Engine(tiny, exact=True, max_tile=16, plain_block=64, max_rollback=8))
     yield e
     e.close()
 
