@@ -4,8 +4,8 @@ Batching, shard routes and snapshots are tested by equality (solo = batched, rou
 process, restored = original). An equality that could not fail would pass the same way, so
 each comparison here runs twice: clean (it finds nothing) and with a defect injected by a
 TEST FIXTURE (it reports the difference):
-- batching: a batch-variant kernel, one bit of every row flipped when a forward has an even
-  number of rows (a decode alone has 1 row, two sessions decoding together 2);
+- batching: a batch-variant kernel, one bit of every row flipped when the forward holds more
+  rows than the row's own session's (two sessions decoding together, say);
 - route: a shard worker whose N-th output has one activation bit flipped (FaultConfig.flip_bit);
 - snapshots: one K/V bit flipped in the file, its checksum (and state digest) recomputed.
 """
@@ -47,16 +47,17 @@ def engine(tiny):
 
 # ---- batching ----------------------------------------------------------------------------------
 
-def _row_count_variant(block):
-    """TEST FIXTURE: transformer block 0 made batch-variant, as a BLAS that switches kernels by row count.
+def _batch_variant(block):
+    """TEST FIXTURE: transformer block 0 made batch-variant, as a BLAS whose bits depend on the call's row count.
 
-    With an even number of rows in the forward, every row's first hidden value leaves the block
-    with its lowest bit flipped; rows computed alone, or in odd-sized forwards, are untouched.
+    Rows computed in a forward with more rows than their own session's (any batched forward)
+    leave the block with their first hidden value's lowest bit flipped; a session's rows
+    computed alone are untouched.
     """
 
     def variant(layer, h, positions, segments, i, native):
         out = block(layer, h, positions, segments, i, native)  # (1, R, hidden)
-        if i != 0 or out.shape[1] % 2:
+        if i != 0 or len(segments) < 2:
             return out
         first = (mx.arange(out.shape[-1]) == 0).astype(mx.uint32)  # (hidden,)
         return mx.view(mx.view(out, mx.uint32) ^ first, mx.float32)
@@ -64,9 +65,10 @@ def _row_count_variant(block):
     return variant
 
 
+# Windows hold every position (nothing a batched forward touched scrolls out before the last digest).
 BATCHED = [
-    Scenario(2, 8, random_tokens(31, 11, 256), (("gen", 20, GREEDY, 1),)),
-    Scenario(4, 16, random_tokens(32, 25, 256), (("gen", 8, LOOKUP, 3), ("append", random_tokens(33, 5, 256)),
+    Scenario(2, 64, random_tokens(31, 11, 256), (("gen", 20, GREEDY, 1),)),
+    Scenario(4, 64, random_tokens(32, 25, 256), (("gen", 8, LOOKUP, 3), ("append", random_tokens(33, 5, 256)),
                                                  ("gen", 10, GREEDY, 1)), 0.01),
 ]
 
@@ -74,9 +76,9 @@ BATCHED = [
 @pytest.mark.parametrize("defect", [False, True], ids=["clean", "batch-variant"])
 async def test_batching_comparison_sees_a_batch_variant_kernel(engine, monkeypatch, defect):
     if defect:
-        monkeypatch.setattr(forward_module, "_block", _row_count_variant(forward_module._block))
+        monkeypatch.setattr(forward_module, "_block", _batch_variant(forward_module._block))
     changed, most = await batch_differences(engine, BATCHED)
-    assert most >= 2  # rows of both sessions shared forwards in the concurrent run
+    assert most >= 2  # rows of both sessions shared a forward in the concurrent run: the defect hit both
     assert changed == ([0, 1] if defect else [])
 
 
