@@ -16,6 +16,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from inference_engine.model.families import FAMILIES
 from inference_engine.model import native_kernels
 from inference_engine.model.forward import Segment, Span, forward, forward_rows
 from inference_engine.model.fused_block import fused_block
@@ -168,7 +169,7 @@ def test_the_native_block_computes_the_mlx_block(kernel, monkeypatch):
 def test_a_block_the_native_kernel_does_not_compute_keeps_mlx_pieces(kernel):
     biased = random_model(seed=6, attention_bias=True).model  # linears with a bias: no plan
     g = CacheGeometry(sink=2, window=12, max_block=8, max_rollback=2)
-    assert fused_block(biased.model.layers[0]).plan is None
+    assert fused_block(biased.model.layers[0], FAMILIES["llama"]).plan is None
     spec = biased.args
     caches = [SinkWindowKVCache(g, spec.num_key_value_heads, spec.hidden_size // spec.num_attention_heads)
               for _ in biased.model.layers]
@@ -179,7 +180,7 @@ def test_a_block_the_native_kernel_does_not_compute_keeps_mlx_pieces(kernel):
 
 def test_the_block_kernel_refuses_bad_arguments(kernel):
     model = random_model(seed=3).model
-    plan = fused_block(model.model.layers[0]).plan
+    plan = fused_block(model.model.layers[0], FAMILIES["llama"]).plan
     g = CacheGeometry(sink=2, window=12, max_block=8, max_rollback=2)
     spec = model.args
     cache = SinkWindowKVCache(g, spec.num_key_value_heads, spec.hidden_size // spec.num_attention_heads)

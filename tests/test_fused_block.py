@@ -5,6 +5,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
+from inference_engine.model.families import FAMILIES
 from inference_engine.model.forward import forward
 from inference_engine.model.fused_block import apply_linear, concat_linears, fused_block, linear_arrays, linear_kind
 from inference_engine.model.loader import random_model
@@ -48,7 +49,7 @@ def test_fused_block_is_built_once_and_not_a_parameter():
     tiny = random_model(seed=4)
     layer = tiny.model.model.layers[0]
     names = {k for k, _ in nn.utils.tree_flatten(tiny.model.parameters())}
-    assert fused_block(layer) is fused_block(layer)
+    assert fused_block(layer, FAMILIES["llama"]) is fused_block(layer, FAMILIES["llama"])
     assert {k for k, _ in nn.utils.tree_flatten(tiny.model.parameters())} == names
 
 

@@ -14,6 +14,7 @@ session, used by the local executor and by shard workers running a layer range.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
@@ -21,8 +22,11 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from inference_engine.model import native_kernels
+from inference_engine.model.families import Family, family_of_model
 from inference_engine.model.fused_block import fused_block
 from inference_engine.model.kv_protocol import KVCache
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -49,14 +53,16 @@ class Segment:
     all_logits: bool  # logits of every row (verification), else of the last row only
 
 
-def _block(layer: nn.Module, h: mx.array, positions: mx.array, segments: Sequence[Segment], i: int,
+def _block(layer: nn.Module, family: Family, h: mx.array, positions: mx.array, segments: Sequence[Segment], i: int,
            native: native_kernels.NativeKernels | None) -> mx.array:
     """Transformer block `i` of the span on (1, R, hidden); each segment's cache gets its rows' K/V."""
-    f = fused_block(layer)
+    f = fused_block(layer, family)
     if native is not None:
         caches, rows = [s.caches[i] for s in segments], [s.rows for s in segments]
         if native.block is not None and f.plan is not None:  # the whole block: one node
             return native_kernels.block(native, f.plan, h, caches, rows)
+        if native.block is not None:
+            _log_mlx_ops(layer, family, f.not_native)
         q, k, v = f.pre(h, positions, *f.pre_arrays)  # every segment's writes and attention: one node
         return f.post(h, native_kernels.attend(native, q, k, v, caches, rows), *f.post_arrays)
     q, k, v = f.pre(h, positions, *f.pre_arrays)  # (R, n_kv, rep, D), (n_kv, R, D) x2
@@ -71,12 +77,33 @@ def _block(layer: nn.Module, h: mx.array, positions: mx.array, segments: Sequenc
     return f.post(h, outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0), *f.post_arrays)
 
 
-def _lm_head(model: nn.Module, h: mx.array) -> mx.array:
+def _log_mlx_ops(layer: nn.Module, family: Family, why: str) -> None:
+    """Say once per block that the native block kernel does not compute it (never silent)."""
+    if not layer.__dict__.get("_logged_mlx_ops"):
+        layer.__dict__["_logged_mlx_ops"] = True
+        log.info("a %s block runs as MLX ops with native attention (exact; the native block lacks %s)",
+                 family.model_type, why)
+
+
+def _embed(model: nn.Module, family: Family, x: mx.array) -> mx.array:
+    h = model.model.embed_tokens(x[None])  # (1, R, hidden)
+    scale = family.embedding_scale(model.args)
+    return h if scale is None else h * scale
+
+
+def _lm_head(model: nn.Module, family: Family, h: mx.array) -> mx.array:
     inner = model.model
-    h = inner.norm(h)
-    if getattr(model.args, "tie_word_embeddings", True) and not hasattr(model, "lm_head"):
-        return inner.embed_tokens.as_linear(h)
-    return model.lm_head(h)
+    norm = inner.norm
+    weight = model.__dict__.get("_head_norm")
+    if weight is None:  # the effective weight, once (a plain attribute, not a parameter)
+        weight = model.__dict__["_head_norm"] = family.norm_weight(norm, bool(model.__dict__.get("_norms_effective")))
+    h = mx.fast.rms_norm(h, weight, norm.eps)
+    if "lm_head" in model:
+        logits = model.lm_head(h)
+    else:  # tied: the embedding's rows (mlx-lm drops lm_head when tied)
+        logits = inner.embed_tokens.as_linear(h)
+    cap = family.logit_softcap(model.args)
+    return logits if cap is None else mx.tanh(logits / cap) * cap
 
 
 def _logit_rows(segments: Sequence[Segment]) -> list[int] | None:
@@ -94,7 +121,7 @@ def forward_rows(model: nn.Module, x: mx.array, segments: Sequence[Segment], spa
     """Run the rows of every segment through the span's blocks together (lazily; nothing evaluated).
 
     Args:
-        model: an mlx-lm llama-family `Model`.
+        model: an mlx-lm `Model` of a family in `families` (its adapter says what the blocks do).
         x: (R,) int32 token ids if `span.embeds`, else (1, R, hidden) hidden states; the
             segments' rows in order, R = sum of their rows (at most the caches' max_block).
         segments: whose rows these are; their caches are at the rows' first positions.
@@ -103,20 +130,21 @@ def forward_rows(model: nn.Module, x: mx.array, segments: Sequence[Segment], spa
         With the LM head, (N, V) float32 logits of the wanted rows in order (every row of an
         `all_logits` segment, the last row of the others); else (1, R, hidden).
     """
-    h = model.model.embed_tokens(x[None]) if span.embeds else x  # (1, R, hidden)
+    family = family_of_model(model)
+    h = _embed(model, family, x) if span.embeds else x  # (1, R, hidden)
     layers = model.model.layers[span.start : span.end]
     if layers:
         starts = [s.caches[0].offset for s in segments]
         positions = mx.array([p for s, a in zip(segments, starts) for p in range(a, a + s.rows)], dtype=mx.int32)  # (R,)
         native = native_kernels.active()
         for i, layer in enumerate(layers):
-            h = _block(layer, h, positions, segments, i, native)
+            h = _block(layer, family, h, positions, segments, i, native)
     if not span.has_lm_head:
         return h
     wanted = _logit_rows(segments)
     if wanted is not None:
         h = h[:, mx.array(wanted, dtype=mx.int32)] if len(wanted) > 1 or wanted[0] != h.shape[1] - 1 else h[:, -1:]
-    return _lm_head(model, h)[0].astype(mx.float32)
+    return _lm_head(model, family, h)[0].astype(mx.float32)
 
 
 def forward(

@@ -18,12 +18,13 @@ the tile probe covers the fused shapes (`fused_linears`). Linears stored as GGUF
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
 
+from inference_engine.model.families import Family, family_of_model
 from inference_engine.model.gguf_blocks import BlockLinear, QMatmul
 from inference_engine.model.native_kernels import BlockPlan
 
@@ -99,38 +100,77 @@ def concat_linears(parts: list[nn.Module]) -> nn.Module:
 
 
 @dataclass(frozen=True)
+class RopeSpec:
+    """A layer's RoPE as mx.fast.rope takes it (read from the layer's own module, whatever the family)."""
+
+    dims: int  # rotated features per head
+    traditional: bool  # interleaved pairs (else half-split)
+    base: float | None  # frequency base; None: the frequencies are the `freqs` array
+    scale: float  # position scale (linear rope_scaling)
+    has_freqs: bool  # a frequency table (Llama 3 rope_scaling) is passed as an input
+
+
+def rope_of(module: nn.Module) -> tuple[RopeSpec, mx.array | None]:
+    """The RoPE of an mlx-lm rope module and its frequency table (evaluated here, on the loading thread).
+
+    Raises:
+        ValueError: a RoPE variant the block pieces do not compute (e.g. YaRN's magnitude scale).
+    """
+    if type(module) is nn.RoPE:
+        return RopeSpec(int(module.dims), bool(module.traditional), float(module.base), float(module.scale), False), None
+    freqs = getattr(module, "_freqs", None)
+    if type(module).__name__ == "Llama3RoPE" and freqs is not None:
+        mx.eval(freqs)
+        return RopeSpec(int(module.dims), bool(module.traditional), None, 1.0, True), freqs
+    raise ValueError(f"RoPE variant {type(module).__name__} is not supported (plain, linear and llama3 are)")
+
+
+@dataclass(frozen=True)
 class _Shape:
     """What the compiled pieces close over: one set of pieces per distinct value."""
 
     n_heads: int  # query heads
     n_kv: int  # K/V heads
     head_dim: int  # per-head width
-    eps_in: float  # input RMSNorm epsilon
-    eps_post: float  # post-attention RMSNorm epsilon
+    eps: float  # the block's RMSNorm epsilon (every norm of a block shares it)
     scale: float  # attention score scale
-    rope_id: int  # id() of the model's RoPE module: equal shapes share it only within one model
+    rope: RopeSpec  # the layer's RoPE
+    qk_norm: bool  # q/k heads normed before RoPE (two norm weights after the q/k/v arrays)
+    sandwich: bool  # attention and MLP outputs normed before the residual
+    activation: str  # "silu" or "gelu_tanh"
     kinds: tuple[LinearKind, LinearKind, LinearKind, LinearKind]  # qkv, o_proj, gate_up, down_proj
-    rope: nn.Module = field(compare=False)  # the RoPE module itself (a dict: unhashable, compared via rope_id)
 
 
 Pieces = tuple[Callable[..., tuple[mx.array, mx.array, mx.array]], Callable[..., mx.array], Callable[..., mx.array]]
 _PIECES: dict[_Shape, Pieces] = {}
 
 
+def _gate(activation: str, gate: mx.array, up: mx.array) -> mx.array:
+    return (nn.silu(gate) if activation == "silu" else nn.gelu_approx(gate)) * up
+
+
 def _pieces(s: _Shape) -> Pieces:
     """The compiled (pre, core, post) for blocks of shape `s` (traced once per input shape)."""
     if s in _PIECES:
         return _PIECES[s]
-    n_q, n_kv, d = s.n_heads, s.n_kv, s.head_dim
+    n_q, n_kv, d, r = s.n_heads, s.n_kv, s.head_dim, s.rope
     k_qkv, k_o, k_gu, k_down = s.kinds
 
-    def pre(h: mx.array, positions: mx.array, norm_w: mx.array, *qkv_w: mx.array) -> tuple[mx.array, ...]:
+    def pre(h: mx.array, positions: mx.array, norm_w: mx.array, *arrays: mx.array) -> tuple[mx.array, ...]:
         length = h.shape[1]
-        x = mx.fast.rms_norm(h, norm_w, s.eps_in)  # (1, L, hidden)
+        qkv_w, arrays = arrays[: k_qkv.n_arrays], arrays[k_qkv.n_arrays :]
+        x = mx.fast.rms_norm(h, norm_w, s.eps)  # (1, L, hidden)
         # Each row is its own RoPE batch entry at its own global position, so rows of
         # different sessions share one call (same bits as a call per row: checked in tests).
         qkv = apply_linear(k_qkv, x, qkv_w).reshape(length, n_q + 2 * n_kv, 1, d)  # (L, heads, 1, D)
-        qk = s.rope(qkv[:, : n_q + n_kv], offset=positions)  # q and k heads rotated in one call
+        qk = qkv[:, : n_q + n_kv]
+        if s.qk_norm:  # per head, before RoPE
+            qk = mx.concatenate([mx.fast.rms_norm(qk[:, :n_q], arrays[0], s.eps),
+                                 mx.fast.rms_norm(qk[:, n_q:], arrays[1], s.eps)], axis=1)
+            arrays = arrays[2:]
+        freqs = arrays[0] if r.has_freqs else None
+        qk = mx.fast.rope(qk, r.dims, traditional=r.traditional, base=r.base, scale=r.scale, offset=positions,
+                          freqs=freqs)  # q and k heads rotated in one call
         q = (qk[:, :n_q, 0] * s.scale).reshape(length, n_kv, n_q // n_kv, d)  # (L, n_kv, rep, D)
         return q, qk[:, n_q:, 0].transpose(1, 0, 2), qkv[:, n_q + n_kv :, 0].transpose(1, 0, 2)  # q; k, v (n_kv, L, D)
 
@@ -145,10 +185,16 @@ def _pieces(s: _Shape) -> Pieces:
     def post(h: mx.array, attn: mx.array, *arrays: mx.array) -> mx.array:
         length = h.shape[1]
         o_w, arrays = arrays[: k_o.n_arrays], arrays[k_o.n_arrays :]
-        norm_w, gu_w, down_w = arrays[0], arrays[1 : 1 + k_gu.n_arrays], arrays[1 + k_gu.n_arrays :]
-        h = h + apply_linear(k_o, attn.reshape(1, length, n_q * d), o_w)  # (1, L, hidden)
-        gate, up = mx.split(apply_linear(k_gu, mx.fast.rms_norm(h, norm_w, s.eps_post), gu_w), 2, axis=-1)
-        return h + apply_linear(k_down, nn.silu(gate) * up, down_w)
+        y = apply_linear(k_o, attn.reshape(1, length, n_q * d), o_w)  # (1, L, hidden)
+        if s.sandwich:
+            y, arrays = mx.fast.rms_norm(y, arrays[0], s.eps), arrays[1:]
+        h = h + y
+        norm_w, gu_w, arrays = arrays[0], arrays[1 : 1 + k_gu.n_arrays], arrays[1 + k_gu.n_arrays :]
+        gate, up = mx.split(apply_linear(k_gu, mx.fast.rms_norm(h, norm_w, s.eps), gu_w), 2, axis=-1)
+        y = apply_linear(k_down, _gate(s.activation, gate, up), arrays[: k_down.n_arrays])
+        if s.sandwich:
+            y = mx.fast.rms_norm(y, arrays[k_down.n_arrays], s.eps)
+        return h + y
 
     _PIECES[s] = (mx.compile(pre), mx.compile(core), mx.compile(post))
     return _PIECES[s]
@@ -161,16 +207,17 @@ class FusedBlock:
     pre: Callable[..., tuple[mx.array, mx.array, mx.array]]  # (h, positions, *pre_arrays) -> q, k, v
     core: Callable[..., mx.array]  # (q, keys, values, mask) -> attention rows before o_proj
     post: Callable[..., mx.array]  # (h, attn, *post_arrays) -> the block's output
-    pre_arrays: tuple[mx.array, ...]  # input norm weight, fused q/k/v arrays
-    post_arrays: tuple[mx.array, ...]  # o_proj arrays, post norm weight, fused gate/up arrays, down_proj arrays
+    pre_arrays: tuple[mx.array, ...]  # input norm weight, fused q/k/v arrays[, q norm, k norm][, RoPE freqs]
+    post_arrays: tuple[mx.array, ...]  # o_proj arrays[, its norm], MLP norm, gate/up arrays, down arrays[, its norm]
     qkv: nn.Module  # the fused q/k/v linear (probed for row-invariance)
     gate_up: nn.Module  # the fused gate/up linear (probed)
     plan: BlockPlan | None = None  # for the native whole-block kernel; None: a block it does not compute
+    not_native: str = ""  # why `plan` is None ("" when it is not)
 
 
-def _plan(layer: nn.Module, s: _Shape, qkv: nn.Module, gate_up: nn.Module) -> BlockPlan | None:
-    """The native block's view of this block, if it computes it: fp32 or GGUF-block linears
-    without biases, and a plain RoPE (no frequency table or scaling rule of its own)."""
+def _plan(s: _Shape, norms: tuple[mx.array, mx.array], qkv: nn.Module, o_proj: nn.Module, gate_up: nn.Module,
+          down: nn.Module) -> tuple[BlockPlan | None, str]:
+    """The native block's view of this block if it computes it, else (None, why not)."""
     formats = []
     for kind in s.kinds:
         if kind.blocks is not None:
@@ -178,51 +225,68 @@ def _plan(layer: nn.Module, s: _Shape, qkv: nn.Module, gate_up: nn.Module) -> Bl
         elif kind.quant is None and not kind.has_bias:
             formats.append(0)
         else:
-            return None
-    rope = s.rope
-    if type(rope) is not nn.RoPE or rope.base is None:
-        return None
-    a, m = layer.self_attn, layer.mlp
-    weights = (layer.input_layernorm.weight, *linear_arrays(qkv), *linear_arrays(a.o_proj),
-               layer.post_attention_layernorm.weight, *linear_arrays(gate_up), *linear_arrays(m.down_proj))
+            return None, "a quantized or biased linear"
+    missing = [what for what, has in (("q/k norms", s.qk_norm), ("sandwich norms", s.sandwich),
+                                      ("GELU", s.activation != "silu"), ("a RoPE frequency table", s.rope.has_freqs))
+               if has]
+    if missing:
+        return None, ", ".join(missing)
+    weights = (norms[0], *linear_arrays(qkv), *linear_arrays(o_proj), norms[1], *linear_arrays(gate_up),
+               *linear_arrays(down))
     hidden, inter = int(weights[0].shape[0]), int(weights[4].shape[0]) // 2
-    return BlockPlan(
+    assert s.rope.base is not None
+    plan = BlockPlan(
         weights=weights,
-        ints=(s.n_heads, s.n_kv, s.head_dim, hidden, inter, int(rope.dims), int(rope.traditional), *formats),
-        floats=(s.eps_in, s.eps_post, s.scale, float(rope.base), float(rope.scale)),
+        ints=(s.n_heads, s.n_kv, s.head_dim, hidden, inter, s.rope.dims, int(s.rope.traditional), *formats),
+        floats=(s.eps, s.eps, s.scale, s.rope.base, s.rope.scale),
     )
+    return plan, ""
 
 
-def fused_block(layer: nn.Module) -> FusedBlock:
+def fused_block(layer: nn.Module, family: Family) -> FusedBlock:
     """The block's FusedBlock, built (and its projections fused) on first use."""
     block = layer.__dict__.get("_fused_block")
     if block is None:
-        block = _build(layer)
+        block = _build(layer, family)
         layer.__dict__["_fused_block"] = block  # a plain attribute, not a model parameter
     return block
 
 
-def _build(layer: nn.Module) -> FusedBlock:
+def _build(layer: nn.Module, family: Family) -> FusedBlock:
     a, m = layer.self_attn, layer.mlp
     qkv = concat_linears([a.q_proj, a.k_proj, a.v_proj])
     gate_up = concat_linears([m.gate_proj, m.up_proj])
+    rope, freqs = rope_of(a.rope)
+    stored = bool(layer.__dict__.get("_norms_effective", False))  # a GGUF's norms hold offset + w already
+
+    def norm(module: nn.Module) -> mx.array:
+        return family.norm_weight(module, stored)
+
     shape = _Shape(
         n_heads=a.n_heads, n_kv=a.n_kv_heads, head_dim=linear_arrays(a.q_proj)[0].shape[0] // a.n_heads,
-        eps_in=layer.input_layernorm.eps, eps_post=layer.post_attention_layernorm.eps, scale=a.scale,
-        rope_id=id(a.rope), rope=a.rope,
+        eps=float(layer.input_layernorm.eps), scale=float(a.scale), rope=rope, qk_norm=family.qk_norm,
+        sandwich=family.sandwich_norms, activation=family.activation,
         kinds=(linear_kind(qkv), linear_kind(a.o_proj), linear_kind(gate_up), linear_kind(m.down_proj)),
     )
+    if family.sandwich_norms:  # Gemma: post_attention_layernorm norms the attention output
+        attn_out, mlp_in, mlp_out = (norm(layer.post_attention_layernorm), norm(layer.pre_feedforward_layernorm),
+                                     norm(layer.post_feedforward_layernorm))
+    else:
+        attn_out, mlp_in, mlp_out = None, norm(layer.post_attention_layernorm), None
+    qk_norms = (norm(a.q_norm), norm(a.k_norm)) if family.qk_norm else ()
+    norm_in = norm(layer.input_layernorm)
     pre, core, post = _pieces(shape)
+    plan, why = _plan(shape, (norm_in, mlp_in), qkv, a.o_proj, gate_up, m.down_proj)
     return FusedBlock(
         pre, core, post,
-        pre_arrays=(layer.input_layernorm.weight, *linear_arrays(qkv)),
-        post_arrays=(*linear_arrays(a.o_proj), layer.post_attention_layernorm.weight, *linear_arrays(gate_up),
-                     *linear_arrays(m.down_proj)),
-        qkv=qkv, gate_up=gate_up, plan=_plan(layer, shape, qkv, gate_up),
+        pre_arrays=(norm_in, *linear_arrays(qkv), *qk_norms, *(() if freqs is None else (freqs,))),
+        post_arrays=(*linear_arrays(a.o_proj), *(() if attn_out is None else (attn_out,)), mlp_in,
+                     *linear_arrays(gate_up), *linear_arrays(m.down_proj), *(() if mlp_out is None else (mlp_out,))),
+        qkv=qkv, gate_up=gate_up, plan=plan, not_native=why,
     )
 
 
 def fused_linears(model: nn.Module) -> list[nn.Module]:
     """The fused q/k/v and gate/up linears of the first block (every block has the same shapes)."""
-    block = fused_block(model.model.layers[0])
+    block = fused_block(model.model.layers[0], family_of_model(model))
     return [block.qkv, block.gate_up]

@@ -12,9 +12,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from inference_engine.model.families import family_of, family_of_model, supported_types
 from inference_engine.model.gguf_blocks import QMatmul, load_gguf_blocks
 
-SUPPORTED_TYPES = ("llama", "mistral", "qwen2")  # llama-family mlx-lm architectures we run
+SUPPORTED_TYPES = supported_types()  # the mlx-lm architectures we run (model/families/)
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,12 @@ class ModelSpec:
     head_dim: int  # per-head width
     eos_token_ids: tuple[int, ...]  # the tokenizer's end-of-sequence ids
     is_quantized: bool  # linears are MLX quantized layers
+    family: str = "llama"  # the model family's `model_type` (model/families/)
+    layer_windows: tuple[int | None, ...] = ()  # per layer: its sliding window (keys incl. itself), None: global
+
+    def window_of(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window, None for a global layer."""
+        return self.layer_windows[layer] if self.layer_windows else None
 
 
 @dataclass(frozen=True)
@@ -40,17 +47,34 @@ class LoadedModel:
 
 
 def spec_of(model: nn.Module, name: str, eos: tuple[int, ...] = (), quantized: bool = False) -> ModelSpec:
-    """The shape facts of an mlx-lm model object."""
+    """The shape facts of an mlx-lm model object (its family's adapter says what differs)."""
     args = model.args
+    family = family_of_model(model)
+    windows = family.windows(args)
     return ModelSpec(
         name=name,
         vocab_size=int(args.vocab_size),
         num_layers=int(args.num_hidden_layers),
         num_kv_heads=int(args.num_key_value_heads),
-        head_dim=int(args.head_dim or args.hidden_size // args.num_attention_heads),
+        head_dim=family.head_dim(args),
         eos_token_ids=eos,
         is_quantized=quantized,
+        family=family.model_type,
+        layer_windows=windows if any(w is not None for w in windows) else (),
     )
+
+
+def materialize_private_arrays(model: nn.Module) -> None:
+    """Evaluate arrays modules keep outside their parameters (e.g. Llama 3 RoPE's `_freqs`), now.
+
+    Left lazy, such an array is computed on whichever thread first evaluates a graph holding
+    it, with the stream of the thread that built it (the loading thread): on the engine thread
+    that failed every step with "There is no Stream(cpu, 0) in current thread".
+    """
+    found = [v for _, m in model.named_modules() for k, v in [*m.items(), *vars(m).items()]
+             if k.startswith("_") and isinstance(v, mx.array)]
+    if found:
+        mx.eval(found)
 
 
 def load_model(path: Path) -> LoadedModel:
@@ -60,12 +84,34 @@ def load_model(path: Path) -> LoadedModel:
         FileNotFoundError: the folder or its config is missing.
         ValueError: the architecture is not a llama-family model we can run.
     """
+    model, config = load_weights(path, lazy=False)
+    tokenizer, eos = _tokenizer(path, config)
+    return LoadedModel(model, spec_of(model, path.name, eos, "quantization" in config), tokenizer)
+
+
+def load_gguf_model(path: Path) -> LoadedModel:
+    """A GGUF file's model, config and tokenizer from the file alone (model/gguf_model.py).
+
+    Raises:
+        ValueError: an unsupported architecture or tensor type (named).
+    """
+    from inference_engine.model.gguf_model import load_gguf
+
+    model, config, tokenizer = load_gguf(path)
+    materialize_private_arrays(model)
+    return LoadedModel(model, spec_of(model, path.stem, tuple(config["eos_token_id"])), tokenizer)
+
+
+def _tokenizer(path: Path, config: dict[str, Any]) -> tuple[Any | None, tuple[int, ...]]:
+    """The folder's tokenizer and EOS ids; (None, config's eos ids) for a folder without tokenizer files
+    (random-weight test models)."""
     from mlx_lm.utils import load_tokenizer
 
-    model, config = load_weights(path, lazy=False)
+    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        eos = config.get("eos_token_id")
+        return None, tuple(sorted(int(t) for t in (eos if isinstance(eos, list) else [] if eos is None else [eos])))
     tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
-    eos = tuple(sorted(int(t) for t in tokenizer.eos_token_ids))
-    return LoadedModel(model, spec_of(model, path.name, eos, "quantization" in config), tokenizer._tokenizer)
+    return tokenizer._tokenizer, tuple(sorted(int(t) for t in tokenizer.eos_token_ids))
 
 
 def load_block_model(path: Path, gguf_path: Path, qmatmul: QMatmul) -> LoadedModel:
@@ -77,13 +123,10 @@ def load_block_model(path: Path, gguf_path: Path, qmatmul: QMatmul) -> LoadedMod
     Raises:
         FileNotFoundError / ValueError: as `load_model`, or the GGUF does not fit the folder.
     """
-    from mlx_lm.utils import load_tokenizer
-
     model, config = load_weights(path, lazy=True)  # the fp32 arrays stay unread: all are replaced
     load_gguf_blocks(model, gguf_path, qmatmul)
-    tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
-    eos = tuple(sorted(int(t) for t in tokenizer.eos_token_ids))
-    return LoadedModel(model, spec_of(model, path.name, eos), tokenizer._tokenizer)
+    tokenizer, eos = _tokenizer(path, config)
+    return LoadedModel(model, spec_of(model, path.name, eos), tokenizer)
 
 
 def load_weights(path: Path, lazy: bool = True) -> tuple[nn.Module, dict[str, Any]]:
@@ -93,16 +136,16 @@ def load_weights(path: Path, lazy: bool = True) -> tuple[nn.Module, dict[str, An
 
     Raises:
         FileNotFoundError: no config.json in `path`.
-        ValueError: not a llama-family model.
+        ValueError: not a model family we serve (the message names those we do).
     """
     from mlx_lm.utils import load_model as mlx_lm_load_model
 
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} is not an mlx-lm model folder (no config.json)")
-    model_type = json.loads((path / "config.json").read_text()).get("model_type")
-    if model_type not in SUPPORTED_TYPES:
-        raise ValueError(f"model_type {model_type!r} is not supported (llama family only)")
-    return mlx_lm_load_model(path, lazy=lazy)
+    family_of(json.loads((path / "config.json").read_text()).get("model_type"))
+    model, config = mlx_lm_load_model(path, lazy=lazy)
+    materialize_private_arrays(model)
+    return model, config
 
 
 def model_fingerprint(model: nn.Module) -> str:
@@ -120,24 +163,35 @@ def model_fingerprint(model: nn.Module) -> str:
     return h.hexdigest()
 
 
-def random_model(seed: int = 0, **overrides: Any) -> LoadedModel:
-    """A tiny random-weight llama for fast unit tests (no tokenizer).
+TINY_ARGS = dict(  # every family's tiny test model: 2 layers, hidden 64, vocab 256
+    hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+    rms_norm_eps=1e-5, vocab_size=256, rope_theta=10000.0, tie_word_embeddings=True, max_position_embeddings=4096,
+)
+
+
+def random_model(seed: int = 0, model_type: str = "llama", random_norms: bool = False, **overrides: Any) -> LoadedModel:
+    """A tiny random-weight model of a family, built by mlx-lm's own model class (no tokenizer).
 
     Args:
         seed: MLX random seed for the weights.
-        overrides: ModelArgs fields to change from the tiny defaults.
+        model_type: the family (`families.FAMILIES`).
+        random_norms: draw every norm's gain from [0.5, 1.5) (else mlx-lm's init: gain 1).
+        overrides: ModelArgs fields to change from the tiny defaults (`TINY_ARGS`).
     """
-    from mlx_lm.models.llama import Model, ModelArgs
+    from mlx_lm.utils import _get_classes
 
-    fields = dict(
-        model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
-        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=256,
-        rope_theta=10000.0, tie_word_embeddings=True,
-    )
-    fields.update(overrides)
+    family_of(model_type)
+    fields: dict[str, Any] = {**TINY_ARGS, "model_type": model_type, **overrides}
+    model_class, args_class = _get_classes(fields)
     mx.random.seed(seed)
-    model = Model(ModelArgs(**fields))
+    model = model_class(args_class.from_dict(fields))
     # Default init leaves norms at 1 and is too tame; scale weights so logits spread.
-    model.update(nn.utils.tree_map(lambda p: p * 2.0, model.parameters()))
+    params = nn.utils.tree_map(lambda p: p * 2.0, model.parameters())
+    if random_norms:  # gains in [0.5, 1.5) whatever the norm form (`w` or `1 + w`)
+        offset = family_of(model_type).norm_offset
+        params = nn.utils.tree_unflatten([(k, mx.random.uniform(0.5, 1.5, v.shape) - offset if "norm" in k else v)
+                                          for k, v in nn.utils.tree_flatten(params)])
+    model.update(params)
     mx.eval(model.parameters())
+    materialize_private_arrays(model)
     return LoadedModel(model, spec_of(model, f"random-{seed}", (1,), False), None)

@@ -19,6 +19,7 @@ from inference_engine.session.session import Session
 from inference_engine.verifier.executor import Backend, LocalBackend
 from inference_engine.verifier.kv_cache import CacheGeometry, rollback_room
 from inference_engine.verifier.sink_window_verifier import SinkWindowVerifier
+from inference_engine.verifier.sliding_kv_cache import session_slab_bytes
 from inference_engine.verifier.tile_probe import ProbeResult, probe_tile
 from inference_engine.verifier.token_log import TokenLog
 
@@ -93,15 +94,13 @@ class Engine:
 
     def slab_bytes(self, sink: int, window: int) -> int:
         """K/V bytes a session with this sink/window holds (wherever its layers run)."""
-        s = self.spec
-        return self.geometry(sink, window).slab_bytes(s.num_layers, s.num_kv_heads, s.head_dim)
+        return session_slab_bytes(self.geometry(sink, window), self.spec)
 
     def draft_slab_bytes(self, sink: int, window: int) -> int:
         """K/V bytes of a session's draft-model cache (0 without a draft model)."""
         if self.draft is None:
             return 0
-        s = self.draft.spec
-        return self.geometry(sink, window).slab_bytes(s.num_layers, s.num_kv_heads, s.head_dim)
+        return session_slab_bytes(self.geometry(sink, window), self.draft.spec)
 
     def prepare_session(self, sink: int, window: int) -> object | None:
         """What opening a session may do ahead, on any thread but the engine's (see Backend.prepare)."""

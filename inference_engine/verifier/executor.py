@@ -21,7 +21,8 @@ import numpy as np
 from inference_engine.errors import InvariantViolation
 from inference_engine.model.forward import Segment, Span, forward, forward_rows
 from inference_engine.model.loader import ModelSpec
-from inference_engine.verifier.kv_cache import CacheGeometry, CanonicalKV, SinkWindowKVCache, zeroed_storage
+from inference_engine.verifier.kv_cache import CacheGeometry, CanonicalKV, SinkWindowKVCache
+from inference_engine.verifier.sliding_kv_cache import layer_cache, layer_storage
 from inference_engine.verifier.token_log import TokenLog
 
 
@@ -160,9 +161,8 @@ class LocalExecutor(Executor):
         self.backend = backend
         self.geometry = geometry
         s = backend.spec
-        self.cache: list[SinkWindowKVCache] = [
-            SinkWindowKVCache(geometry, s.num_kv_heads, s.head_dim, storage=storage[i] if storage else None)
-            for i in range(s.num_layers)
+        self.cache: list[SinkWindowKVCache] = [  # a sliding-window layer's bounded by the model's window
+            layer_cache(geometry, s, i, storage[i] if storage else None) for i in range(s.num_layers)
         ]
         self._is_broken = False
 
@@ -176,7 +176,7 @@ class LocalExecutor(Executor):
         Rows written at positions start.. only overwrote ring slots of positions no query at
         `start` reads, as long as the block fits the ring's slack (max_block + max_rollback).
         """
-        g = self.geometry
+        g = self.geometry  # every layer's ring has this slack, sliding ones included
         if rows <= g.max_block + g.max_rollback:
             for c in self.cache:
                 c.offset = start
@@ -236,8 +236,7 @@ class LocalBackend(Backend):
         self.max_block = max_block
 
     def prepare(self, geometry: CacheGeometry) -> list[tuple[mx.array, mx.array]]:
-        s = self.spec
-        return [zeroed_storage(geometry, s.num_kv_heads, s.head_dim) for _ in range(s.num_layers)]
+        return layer_storage(geometry, self.spec)
 
     def open(self, geometry: CacheGeometry, log: TokenLog, prepared: object | None = None) -> Executor:
         return LocalExecutor(self, geometry, prepared)  # type: ignore[arg-type] - what prepare returned

@@ -30,6 +30,7 @@ from inference_engine.shard.client.route import ShardRoute
 from inference_engine.shard.protocol.errors import DeadlineExpired, ShardUnavailable
 from inference_engine.verifier.executor import Backend, Block, Executor
 from inference_engine.verifier.kv_cache import CacheGeometry, CanonicalKV
+from inference_engine.verifier.sliding_kv_cache import session_slab_bytes
 from inference_engine.verifier.token_log import TokenLog
 
 T = TypeVar("T")
@@ -171,7 +172,7 @@ class RemoteExecutor(Executor):
     @property
     def nbytes(self) -> int:
         s = self.backend.spec
-        return self.geometry.slab_bytes(s.num_layers, s.num_kv_heads, s.head_dim)
+        return session_slab_bytes(self.geometry, s)
 
     def close(self) -> None:
         if self._is_closed:

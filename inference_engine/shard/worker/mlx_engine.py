@@ -38,6 +38,7 @@ from inference_engine.shard.protocol.types import (
 )
 from inference_engine.shard.worker.engine import ShardEngine
 from inference_engine.verifier.kv_cache import CacheGeometry, SinkWindowKVCache
+from inference_engine.verifier.sliding_kv_cache import layer_cache
 from inference_engine.verifier.tile_probe import fp32_mismatches, probe_tile
 
 _NUMPY_DTYPE = {mx.float32: "float32", mx.float16: "float16"}
@@ -154,8 +155,7 @@ class MlxShardEngine(ShardEngine):
         for what, (value, low, high) in checks.items():
             if not low <= value <= high:
                 raise InvalidRequest(f"session {what} = {value} is out of range; this worker allows {low}..{high}")
-        cache = [SinkWindowKVCache(geometry, self._spec.num_kv_heads, self._spec.head_dim)
-                 for _ in range(len(self.layers))]
+        cache = [layer_cache(geometry, self._spec, i) for i in range(self.layers.start, self.layers.end)]
         with self._lock:
             if session_id in self._sessions:
                 raise InvalidRequest(f"session {session_id!r} is already open on this worker")

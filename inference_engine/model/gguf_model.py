@@ -1,0 +1,180 @@
+"""`serve --model FILE.gguf`: a model of a supported family straight from a GGUF file.
+
+Config, tokenizer and chat template come from the file's metadata (no hub, no folder). Every
+tensor is dequantized by gguf-py in fp32, the arithmetic `--weights q4_1` already keeps for
+the packaged model, so the model computes bitwise the fp32 product of gguf-py's
+dequantization of its blocks; llama.cpp's Q/K row permutation is undone for the families
+whose converter made it, and norms stored as `1 + w` are marked as effective weights
+(families/base.py). A tensor of a type not in `SUPPORTED_TYPES` stops the start-up with its
+name and type.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from inference_engine.model.families import Family, family_of_gguf
+from inference_engine.model.gguf_convert import _BLOCK_NAMES, _unpermute_rows
+from inference_engine.model.gguf_reader import GgufFile, TensorInfo, read_gguf
+
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+log = logging.getLogger(__name__)
+
+
+def check_tensor_types(g: GgufFile) -> None:
+    """Raises ValueError naming the first tensor whose type we do not serve."""
+    for t in g.tensors:
+        if t.type_name not in SUPPORTED_TYPES:
+            raise ValueError(f"{g.path.name}: tensor {t.name} has ggml type {t.type_name}, which is not served; "
+                             f"supported types: {', '.join(SUPPORTED_TYPES)}")
+
+
+def gguf_config(g: GgufFile, family: Family) -> dict[str, Any]:
+    """The mlx-lm config of the file's model (common fields, then the family's own)."""
+    arch = family.gguf_arch
+
+    def get(key: str, default: Any = None) -> Any:
+        v = g.get(f"{arch}.{key}", default)
+        if v is None:
+            raise ValueError(f"{g.path.name}: the GGUF metadata has no {arch}.{key}")
+        return v
+
+    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+    names = {t.name for t in g.tensors}
+    cfg: dict[str, Any] = {
+        "model_type": family.model_type,
+        "hidden_size": hidden,
+        "num_hidden_layers": int(get("block_count")),
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        "head_dim": int(get("attention.key_length", hidden // heads)),
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")),
+        "vocab_size": len(g.metadata["tokenizer.ggml.tokens"]),
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(get("context_length", 4096)),
+        "tie_word_embeddings": "output.weight" not in names,
+        "rope_traditional": False,
+    }
+    if "rope_freqs.weight" in names:  # llama.cpp's form of Llama 3 rope_scaling
+        raise ValueError(f"{g.path.name}: a rope_freqs tensor (Llama 3 RoPE scaling as llama.cpp stores it) is not "
+                         "served yet; serve the model's mlx-lm folder instead")
+    if family.gguf_config is not None:
+        cfg.update(family.gguf_config(get))
+    return cfg
+
+
+def _mlx_name(family: Family, gguf_name: str) -> str:
+    """A GGUF tensor name -> the mlx-lm parameter name, the family's names first."""
+    if gguf_name.startswith("token_embd."):
+        return "model.embed_tokens." + gguf_name.split(".", 1)[1]
+    if gguf_name.startswith("output_norm."):
+        return "model.norm." + gguf_name.split(".", 1)[1]
+    if gguf_name.startswith("output."):
+        return "lm_head." + gguf_name.split(".", 1)[1]
+    if gguf_name.startswith("blk."):
+        _, block, rest = gguf_name.split(".", 2)
+        for src, dst in (*family.gguf_names, *((k.split(".")[0], v.removesuffix(".weight"))
+                                                for k, v in _BLOCK_NAMES.items())):
+            stem, _, suffix = rest.rpartition(".")
+            if stem == src:
+                return f"model.layers.{block}.{dst}.{suffix}"
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no place in a {family.model_type} model")
+
+
+def dequantize(g: GgufFile, t: TensorInfo) -> np.ndarray:
+    """Tensor `t` in fp32 as gguf-py dequantizes it (numpy order)."""
+    import gguf
+
+    raw = g.tensor_bytes(t)
+    kind = gguf.GGMLQuantizationType(t.kind)
+    if kind == gguf.GGMLQuantizationType.F32:
+        return raw.view(np.float32).reshape(t.shape)
+    rows = int(np.prod(t.shape[:-1]))
+    w = gguf.quants.dequantize(raw.reshape(rows, -1), kind)
+    return np.asarray(w, dtype=np.float32).reshape(t.shape)
+
+
+def gguf_weights(g: GgufFile, family: Family, cfg: dict[str, Any]) -> dict[str, mx.array]:
+    """Every tensor of the file as an fp32 mlx-lm parameter (Q/K rows un-permuted where the family's were)."""
+    heads = {"attn_q.": cfg["num_attention_heads"], "attn_k.": cfg["num_key_value_heads"]}
+    out, start = {}, time.monotonic()
+    for i, t in enumerate(g.tensors, 1):
+        w = dequantize(g, t)
+        n = next((h for key, h in heads.items() if f".{key}" in t.name), None)
+        if family.gguf_permutes_qk and n is not None:
+            w = _unpermute_rows(w, n)
+        out[_mlx_name(family, t.name)] = mx.array(w)
+        if i % 64 == 0:
+            mx.eval(list(out.values()))
+            log.info("GGUF: dequantized %d/%d tensors (%.0f s)", i, len(g.tensors), time.monotonic() - start)
+    return out
+
+
+def gguf_tokenizer(g: GgufFile) -> Any:
+    """A transformers fast tokenizer built from the file's metadata (transformers' GGUF mapping; no torch)."""
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+
+    meta = g.metadata
+    tok = {name: meta[f"tokenizer.{key}"] for key, name in GGUF_TOKENIZER_MAPPING["tokenizer"].items()
+           if f"tokenizer.{key}" in meta}
+    for k in ("scores", "token_type"):
+        if k in tok:
+            tok[k] = np.asarray(tok[k]).tolist()
+    for k, v in list(tok.items()):
+        if isinstance(v, np.generic):
+            tok[k] = v.item()
+    backend, _ = convert_gguf_tokenizer(str(g.get("general.architecture")), tok)
+    tokens = tok["tokens"]
+
+    def special(key: str) -> str | None:
+        i = g.get(f"tokenizer.ggml.{key}")
+        return tokens[int(i)] if i is not None else None
+
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token=special("bos_token_id"), eos_token=special("eos_token_id"),
+        unk_token=special("unknown_token_id"), pad_token=special("padding_token_id"),
+        chat_template=g.get("tokenizer.chat_template"), add_bos_token=bool(g.get("tokenizer.ggml.add_bos_token", False)),
+    )
+
+
+def build_gguf_model(g: GgufFile) -> tuple[nn.Module, dict[str, Any]]:
+    """The file's model (fp32, gguf-py's dequantization) as an mlx-lm model object, and its config.
+
+    Raises:
+        ValueError: an unsupported architecture or tensor type, or tensors that do not fit the config.
+    """
+    from mlx_lm.utils import _get_classes
+
+    family = family_of_gguf(str(g.get("general.architecture")))
+    check_tensor_types(g)
+    cfg = gguf_config(g, family)
+    model_class, args_class = _get_classes(cfg)
+    model = model_class(args_class.from_dict(cfg))
+    weights = gguf_weights(g, family, cfg)
+    if hasattr(model, "sanitize"):
+        weights = model.sanitize(weights)  # drops a tied head, as mlx-lm's loader does
+    model.load_weights(list(weights.items()), strict=True)
+    mx.eval(model.parameters())
+    if family.gguf_norms_plus_one:  # the stored norms are `1 + w` already: read them as they are
+        model.__dict__["_norms_effective"] = True
+        for layer in model.model.layers:
+            layer.__dict__["_norms_effective"] = True
+    return model, cfg
+
+
+def load_gguf(path: Path) -> tuple[nn.Module, dict[str, Any], Any]:
+    """(model, config, tokenizer) of a GGUF file (see `build_gguf_model`, `gguf_tokenizer`)."""
+    g = read_gguf(path)
+    model, cfg = build_gguf_model(g)
+    eos = g.get("tokenizer.ggml.eos_token_id")
+    cfg["eos_token_id"] = [] if eos is None else [int(eos)]
+    return model, cfg, gguf_tokenizer(g)
