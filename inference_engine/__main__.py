@@ -1,4 +1,4 @@
-"""Command line: `python -m inference_engine serve [flags]` (and `prepare-model`, `shard-worker`),
+"""Command line: `python -m inference_engine serve [flags]` (and `prepare-model`, `shard-worker`, `models`),
 plus the client commands `chat` and `generate`, which need only grpc and protobuf."""
 
 from __future__ import annotations
@@ -12,6 +12,17 @@ from inference_engine.blas import reexec_with_openblas
 from inference_engine.process_exit import exit_now
 
 CLIENT_COMMANDS = ("chat", "generate")
+
+
+def list_models() -> str:
+    """`models`: the packaged names, what each is, how to install it, and the families a path may hold."""
+    from inference_engine.model.families import supported_types
+    from inference_engine.model.packaged import PACKAGED_MODELS
+
+    width = max(len(m.name) for m in PACKAGED_MODELS)
+    lines = [f"{m.name:<{width}}  {m.description}  [{m.install}]" for m in PACKAGED_MODELS]
+    lines.append(f"or --model PATH: an mlx-lm folder or a .gguf file of model_type {', '.join(supported_types())}")
+    return "\n".join(lines)
 
 
 def _server_parsers(sub: argparse._SubParsersAction) -> bool:
@@ -39,6 +50,9 @@ def _server_parsers(sub: argparse._SubParsersAction) -> bool:
 def main(argv: list[str] | None = None) -> int:
     """Parse the command line and run the chosen command; returns the exit status."""
     argv = sys.argv[1:] if argv is None else argv
+    if argv == ["models"]:  # data only: no MLX, no BLAS re-exec
+        print(list_models())
+        return 0
     if argv and argv[0] in CLIENT_COMMANDS:  # the client: no MLX, no BLAS re-exec
         from inference_engine.client.cli import main as client_main
 

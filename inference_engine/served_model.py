@@ -18,7 +18,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from inference_engine.model.loader import LoadedModel, load_block_model, load_model
+from inference_engine.model.loader import LoadedModel, load_block_model, load_gguf_model, load_model
 from inference_engine.model.packaged import DEFAULT_MODEL, packaged_gguf_path, resolve_model_path
 from inference_engine.quant_kernel import enable_native_kernels, load_quant_kernel
 
@@ -43,7 +43,8 @@ def gguf_source(model: str) -> Path | None:
 def q4_1_unavailable(model: str, cache_dir: Path) -> str:
     """Why `model` cannot be served from q4_1 blocks in this process ("" if it can)."""
     if gguf_source(model) is None:
-        return f"q4_1 reads the GGUF the model was converted from; --model {model} has none (use {DEFAULT_MODEL})"
+        return (f"q4_1 serves the Q4_1/Q8_0 blocks of {DEFAULT_MODEL} only; --model {model} is served from fp32 "
+                "(a GGUF file: gguf-py's fp32 dequantization of its blocks)")
     kernel = load_quant_kernel(cache_dir)
     return kernel if isinstance(kernel, str) else ""
 
@@ -64,8 +65,16 @@ def load_served_model(model: str, weights: str, cache_dir: Path) -> ServedModel:
     if note:
         log.warning("serving fp32 weights, not q4_1: %s", note)
     path = resolve_model_path(model, cache_dir)
+    if is_gguf_file(path):
+        log.info("loading %s: config, tokenizer and weights from the GGUF (gguf-py's fp32 dequantization)", path)
+        return ServedModel(load_gguf_model(path), "fp32", note)
     log.info("loading model from %s (fp32)", path)
     return ServedModel(load_model(path), "fp32", note)
+
+
+def is_gguf_file(path: Path) -> bool:
+    """`path` is a GGUF file (served from its own metadata), not an mlx-lm folder."""
+    return path.suffix == ".gguf" and path.is_file()
 
 
 def use_native_kernels(cache_dir: Path) -> None:

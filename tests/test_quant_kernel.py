@@ -204,7 +204,8 @@ def test_served_model_weights_choices(tiny_pair):
     with pytest.raises(ValueError, match="--weights 'int8' is not one of q4_1, fp32"):
         load_served_model(str(folder), "int8", folder)
     why = q4_1_unavailable(str(folder), folder)
-    assert why.startswith(f"q4_1 reads the GGUF the model was converted from; --model {folder} has none")
+    assert why.startswith("q4_1 serves the Q4_1/Q8_0 blocks of packaged:smollm2-135m only; "
+                          f"--model {folder} is served from fp32")
     served = load_served_model(str(folder), "q4_1", folder)  # a folder model: fp32, and why
     assert served.weights == "fp32" and served.note == why and not has_blocks(served.loaded.model)
     assert load_served_model(str(folder), "fp32", folder).note == ""

@@ -19,8 +19,10 @@ def layer_window(args: Any, i: int) -> int | None:
 def gguf_config(get: Callable[[str, Any], Any]) -> dict:
     """Gemma 3's fields from a GGUF (llama.cpp: local RoPE base 10000, every 6th layer global)."""
     head_dim = int(get("attention.key_length", 256))
-    return {"sliding_window": int(get("attention.sliding_window", 512)),
-            "sliding_window_pattern": int(get("attention.sliding_window_pattern", 6)),
+    pattern = get("attention.sliding_window_pattern", 6)
+    if not isinstance(pattern, int):  # newer files: one flag per layer (True: sliding); the first global ends a period
+        pattern = [bool(f) for f in pattern].index(False) + 1
+    return {"sliding_window": int(get("attention.sliding_window", 512)), "sliding_window_pattern": int(pattern),
             "rope_local_base_freq": 10000.0, "query_pre_attn_scalar": head_dim}
 
 
