@@ -118,3 +118,15 @@ def test_an_unserved_type_or_architecture_is_named(tmp_path):
     w.close()
     with pytest.raises(ValueError, match="GGUF architecture 'phi3' is not supported; supported: gemma3, llama"):
         load_gguf_model(tmp_path / "phi.gguf")
+
+
+async def test_model_info_reports_family_formats_and_attention_kinds(quantized_gemma):
+    from inference_engine.v1 import runtime_pb2 as pb
+    from tests.conftest import running_server
+
+    _, engine = quantized_gemma
+    async with running_server(engine) as (stub, _):
+        info = await stub.GetModelInfo(pb.GetModelInfoRequest())
+    assert info.family == "gemma3_text"
+    assert list(info.weight_formats) == sorted(set(_types(1).values()) | {"F32"})
+    assert list(info.layer_attention) == ["sliding:8", "global"]

@@ -177,4 +177,5 @@ def load_gguf(path: Path) -> tuple[nn.Module, dict[str, Any], Any]:
     model, cfg = build_gguf_model(g)
     eos = g.get("tokenizer.ggml.eos_token_id")
     cfg["eos_token_id"] = [] if eos is None else [int(eos)]
+    cfg["gguf_types"] = sorted({t.type_name for t in g.tensors})
     return model, cfg, gguf_tokenizer(g)

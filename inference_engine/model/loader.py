@@ -31,6 +31,7 @@ class ModelSpec:
     is_quantized: bool  # linears are MLX quantized layers
     family: str = "llama"  # the model family's `model_type` (model/families/)
     layer_windows: tuple[int | None, ...] = ()  # per layer: its sliding window (keys incl. itself), None: global
+    weight_formats: tuple[str, ...] = ("fp32",)  # "fp32", "mlx-quantized", or the source GGUF's ggml types
 
     def window_of(self, layer: int) -> int | None:
         """Layer `layer`'s sliding window, None for a global layer."""
@@ -46,7 +47,8 @@ class LoadedModel:
     tokenizer: Any | None  # a transformers tokenizer, None for random test models
 
 
-def spec_of(model: nn.Module, name: str, eos: tuple[int, ...] = (), quantized: bool = False) -> ModelSpec:
+def spec_of(model: nn.Module, name: str, eos: tuple[int, ...] = (), quantized: bool = False,
+            formats: tuple[str, ...] | None = None) -> ModelSpec:
     """The shape facts of an mlx-lm model object (its family's adapter says what differs)."""
     args = model.args
     family = family_of_model(model)
@@ -61,6 +63,7 @@ def spec_of(model: nn.Module, name: str, eos: tuple[int, ...] = (), quantized: b
         is_quantized=quantized,
         family=family.model_type,
         layer_windows=windows if any(w is not None for w in windows) else (),
+        weight_formats=formats or (("mlx-quantized",) if quantized else ("fp32",)),
     )
 
 
@@ -99,7 +102,8 @@ def load_gguf_model(path: Path) -> LoadedModel:
 
     model, config, tokenizer = load_gguf(path)
     materialize_private_arrays(model)
-    return LoadedModel(model, spec_of(model, path.stem, tuple(config["eos_token_id"])), tokenizer)
+    formats = tuple(config["gguf_types"])
+    return LoadedModel(model, spec_of(model, path.stem, tuple(config["eos_token_id"]), formats=formats), tokenizer)
 
 
 def _tokenizer(path: Path, config: dict[str, Any]) -> tuple[Any | None, tuple[int, ...]]:
@@ -126,7 +130,7 @@ def load_block_model(path: Path, gguf_path: Path, qmatmul: QMatmul) -> LoadedMod
     model, config = load_weights(path, lazy=True)  # the fp32 arrays stay unread: all are replaced
     load_gguf_blocks(model, gguf_path, qmatmul)
     tokenizer, eos = _tokenizer(path, config)
-    return LoadedModel(model, spec_of(model, path.name, eos), tokenizer)
+    return LoadedModel(model, spec_of(model, path.name, eos, formats=("F32", "Q4_1", "Q8_0")), tokenizer)
 
 
 def load_weights(path: Path, lazy: bool = True) -> tuple[nn.Module, dict[str, Any]]:

@@ -139,7 +139,8 @@ def model_info_response(i: ModelInfo) -> pb.GetModelInfoResponse:
         model_name=i.model_name, vocab_size=i.vocab_size, eos_token_ids=i.eos_token_ids,
         has_tokenizer=i.has_tokenizer, has_chat_template=i.has_chat_template, exact=i.is_exact,
         block_size=i.block_size, kernels=i.kernels, model_fingerprint=i.model_fingerprint,
-        has_draft_model=i.has_draft_model,
+        has_draft_model=i.has_draft_model, family=i.family, weight_formats=i.weight_formats,
+        layer_attention=i.layer_attention,
         limits=pb.ModelLimits(
             default_sink_tokens=i.default_sink, max_sink_tokens=i.max_sink, default_window_tokens=i.default_window,
             max_window_tokens=i.max_window, default_new_tokens=i.default_new_tokens, max_new_tokens=i.max_new_tokens,

@@ -36,6 +36,9 @@ class ModelInfo:
     max_draft_tokens: int  # largest num_draft_tokens
     max_top_logprobs: int  # largest top_logprobs
     max_sessions: int  # sessions in the pool
+    family: str = ""  # the model family (model/families/)
+    weight_formats: tuple[str, ...] = ()  # "fp32", "mlx-quantized", or the GGUF's ggml types
+    layer_attention: tuple[str, ...] = ()  # per layer: "global" or "sliding:N"
 
 
 def describe_model(engine: Engine, cfg: ServerConfig, codec: TextCodec | None) -> ModelInfo:
@@ -55,4 +58,7 @@ def describe_model(engine: Engine, cfg: ServerConfig, codec: TextCodec | None) -
         default_window=cfg.default_window, max_window=cfg.max_window, default_new_tokens=cfg.default_new_tokens,
         max_new_tokens=cfg.max_new_tokens, max_tokens_per_request=cfg.max_tokens_per_request,
         max_draft_tokens=cfg.max_rollback, max_top_logprobs=MAX_TOP_LOGPROBS, max_sessions=cfg.max_sessions,
+        family=spec.family, weight_formats=spec.weight_formats,
+        layer_attention=tuple("global" if spec.window_of(i) is None else f"sliding:{spec.window_of(i)}"
+                              for i in range(spec.num_layers)),
     )

@@ -250,7 +250,7 @@ class ModelLimits(_message.Message):
     def __init__(self, default_sink_tokens: _Optional[int] = ..., max_sink_tokens: _Optional[int] = ..., default_window_tokens: _Optional[int] = ..., max_window_tokens: _Optional[int] = ..., default_new_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., max_tokens_per_request: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., max_top_logprobs: _Optional[int] = ..., max_sessions: _Optional[int] = ...) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "eos_token_ids", "bos_token_id", "has_tokenizer", "has_chat_template", "limits", "exact", "block_size", "kernels", "model_fingerprint", "has_draft_model")
+    __slots__ = ("model_name", "vocab_size", "eos_token_ids", "bos_token_id", "has_tokenizer", "has_chat_template", "limits", "exact", "block_size", "kernels", "model_fingerprint", "has_draft_model", "family", "weight_formats", "layer_attention")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -263,6 +263,9 @@ class GetModelInfoResponse(_message.Message):
     KERNELS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     HAS_DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
+    FAMILY_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FORMATS_FIELD_NUMBER: _ClassVar[int]
+    LAYER_ATTENTION_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -275,7 +278,10 @@ class GetModelInfoResponse(_message.Message):
     kernels: str
     model_fingerprint: str
     has_draft_model: bool
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., has_tokenizer: _Optional[bool] = ..., has_chat_template: _Optional[bool] = ..., limits: _Optional[_Union[ModelLimits, _Mapping]] = ..., exact: _Optional[bool] = ..., block_size: _Optional[int] = ..., kernels: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., has_draft_model: _Optional[bool] = ...) -> None: ...
+    family: str
+    weight_formats: _containers.RepeatedScalarFieldContainer[str]
+    layer_attention: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., has_tokenizer: _Optional[bool] = ..., has_chat_template: _Optional[bool] = ..., limits: _Optional[_Union[ModelLimits, _Mapping]] = ..., exact: _Optional[bool] = ..., block_size: _Optional[int] = ..., kernels: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., has_draft_model: _Optional[bool] = ..., family: _Optional[str] = ..., weight_formats: _Optional[_Iterable[str]] = ..., layer_attention: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("text", "add_special_tokens", "messages", "add_generation_prompt")
