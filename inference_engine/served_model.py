@@ -67,7 +67,7 @@ def load_served_model(model: str, weights: str, cache_dir: Path) -> ServedModel:
     path = resolve_model_path(model, cache_dir)
     if is_gguf_file(path):
         log.info("loading %s: config, tokenizer and weights from the GGUF (gguf-py's fp32 dequantization)", path)
-        return ServedModel(load_gguf_model(path), "fp32", note)
+        return ServedModel(load_gguf_model(path, cache_dir), "fp32", note)
     log.info("loading model from %s (fp32)", path)
     return ServedModel(load_model(path), "fp32", note)
 

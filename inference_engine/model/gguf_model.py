@@ -118,21 +118,43 @@ def gguf_weights(g: GgufFile, family: Family, cfg: dict[str, Any]) -> dict[str, 
     return out
 
 
-def gguf_tokenizer(g: GgufFile) -> Any:
-    """A transformers fast tokenizer built from the file's metadata (transformers' GGUF mapping; no torch)."""
-    from transformers import PreTrainedTokenizerFast
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+def _tokenizer_dict(g: GgufFile) -> dict[str, Any]:
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING
 
     meta = g.metadata
     tok = {name: meta[f"tokenizer.{key}"] for key, name in GGUF_TOKENIZER_MAPPING["tokenizer"].items()
            if f"tokenizer.{key}" in meta}
-    for k in ("scores", "token_type"):
-        if k in tok:
-            tok[k] = np.asarray(tok[k]).tolist()
     for k, v in list(tok.items()):
-        if isinstance(v, np.generic):
-            tok[k] = v.item()
-    backend, _ = convert_gguf_tokenizer(str(g.get("general.architecture")), tok)
+        tok[k] = v.tolist() if isinstance(v, np.ndarray) else v.item() if isinstance(v, np.generic) else v
+    return tok
+
+
+def gguf_tokenizer(g: GgufFile, cache_dir: Path | None = None) -> Any:
+    """A transformers fast tokenizer built from the file's metadata (transformers' GGUF mapping; no torch).
+
+    Building Gemma's (merges recovered from a 262k vocabulary) takes ~20 s; with `cache_dir` the
+    result is kept as `<cache>/gguf-tokenizers/<sha256 of the tokenizer metadata>.json`.
+    """
+    import hashlib
+    import json
+
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
+
+    tok = _tokenizer_dict(g)
+    arch = str(g.get("general.architecture"))
+    key = hashlib.sha256(json.dumps([arch, tok], sort_keys=True, default=str).encode()).hexdigest()
+    cached = cache_dir / "gguf-tokenizers" / f"{key}.json" if cache_dir is not None else None
+    if cached is not None and cached.is_file():
+        backend = Tokenizer.from_file(str(cached))
+    else:
+        backend, _ = convert_gguf_tokenizer(arch, tok)
+        if cached is not None:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            partial = cached.with_suffix(".partial")
+            backend.save(str(partial))
+            partial.replace(cached)
     tokens = tok["tokens"]
 
     def special(key: str) -> str | None:
@@ -171,11 +193,11 @@ def build_gguf_model(g: GgufFile) -> tuple[nn.Module, dict[str, Any]]:
     return model, cfg
 
 
-def load_gguf(path: Path) -> tuple[nn.Module, dict[str, Any], Any]:
+def load_gguf(path: Path, cache_dir: Path | None = None) -> tuple[nn.Module, dict[str, Any], Any]:
     """(model, config, tokenizer) of a GGUF file (see `build_gguf_model`, `gguf_tokenizer`)."""
     g = read_gguf(path)
     model, cfg = build_gguf_model(g)
     eos = g.get("tokenizer.ggml.eos_token_id")
     cfg["eos_token_id"] = [] if eos is None else [int(eos)]
     cfg["gguf_types"] = sorted({t.type_name for t in g.tensors})
-    return model, cfg, gguf_tokenizer(g)
+    return model, cfg, gguf_tokenizer(g, cache_dir)

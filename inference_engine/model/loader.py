@@ -92,15 +92,17 @@ def load_model(path: Path) -> LoadedModel:
     return LoadedModel(model, spec_of(model, path.name, eos, "quantization" in config), tokenizer)
 
 
-def load_gguf_model(path: Path) -> LoadedModel:
+def load_gguf_model(path: Path, cache_dir: Path | None = None) -> LoadedModel:
     """A GGUF file's model, config and tokenizer from the file alone (model/gguf_model.py).
 
+    Args:
+        cache_dir: where a built tokenizer is kept for the next start (None: built every time).
     Raises:
         ValueError: an unsupported architecture or tensor type (named).
     """
     from inference_engine.model.gguf_model import load_gguf
 
-    model, config, tokenizer = load_gguf(path)
+    model, config, tokenizer = load_gguf(path, cache_dir)
     materialize_private_arrays(model)
     formats = tuple(config["gguf_types"])
     return LoadedModel(model, spec_of(model, path.stem, tuple(config["eos_token_id"]), formats=formats), tokenizer)
