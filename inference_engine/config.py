@@ -80,7 +80,8 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     host, port = default_address()
     parser.add_argument("--host", default=host, help="default from $INFERENCE_ENGINE_ADDRESS, else %(default)s")
     parser.add_argument("--port", type=int, default=port, help="0 = pick a free port (default %(default)s)")
-    parser.add_argument("--model", default=d.model, help="packaged model name or an mlx-lm folder")
+    parser.add_argument("--model", default=d.model,
+                        help="packaged model name (see `models`), an mlx-lm folder or a .gguf file")
     add_weights_flag(parser, d.weights)
     parser.add_argument(
         "--draft-model", default=None,

@@ -9,6 +9,8 @@ and caches over the same folder for 32 steps. Gemma 3's tiny model alternates a 
 
 from __future__ import annotations
 
+import sys
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -157,3 +159,26 @@ def test_unsupported_model_type_names_the_supported_ones(tmp_path):
     with pytest.raises(ValueError, match="not supported"):
         family_of("phi3")
     assert set(FAMILIES) == {c["model_type"] for c in FAMILY_CONFIGS.values()}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the native block is built on Linux (CPU)")
+def test_every_family_runs_as_one_native_node_per_block_close_to_mlx_ops(family, monkeypatch):
+    """The native block computes every family's additions (bias, q/k norms, sandwich norms, GELU, RoPE tables):
+    one ExactLayer node per block, and logits within float rounding of the same forward as MLX ops."""
+    from inference_engine.model import native_kernels
+    from tests.test_exact_attention import node_labels
+
+    name, loaded, engine, _ = family
+    model = loaded.model
+    assert native_kernels.active() is not None and native_kernels.active().block is not None
+    tokens = _tokens(13, 12)
+
+    def logits() -> mx.array:
+        v = engine.make_verifier(SINK, WINDOW)
+        return forward_rows(model, mx.array(tokens, dtype=mx.int32), [Segment(v.executor.cache, 12, True)],
+                            Span.whole(model))
+
+    native = logits()
+    assert node_labels(native).count("ExactLayer") == loaded.spec.num_layers, name
+    monkeypatch.setattr(native_kernels, "_bound", None)  # the same forward as MLX ops
+    np.testing.assert_allclose(np.array(native), np.array(logits()), rtol=2e-4, atol=2e-4)

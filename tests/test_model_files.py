@@ -105,7 +105,7 @@ def test_loader_rejects_non_model_folders(tmp_path):
     with pytest.raises(FileNotFoundError, match="no config.json"):
         load_model(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba"}))
-    with pytest.raises(ValueError, match="llama family only"):
+    with pytest.raises(ValueError, match="model_type .mamba. is not supported; supported: gemma3_text, llama"):
         load_model(tmp_path)
 
 

@@ -23,6 +23,7 @@ from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from inference_engine.model.families import Family, family_of_model
 from inference_engine.model.gguf_blocks import BlockLinear, QMatmul
@@ -215,30 +216,35 @@ class FusedBlock:
     not_native: str = ""  # why `plan` is None ("" when it is not)
 
 
-def _plan(s: _Shape, norms: tuple[mx.array, mx.array], qkv: nn.Module, o_proj: nn.Module, gate_up: nn.Module,
-          down: nn.Module) -> tuple[BlockPlan | None, str]:
-    """The native block's view of this block if it computes it, else (None, why not)."""
+def _plan(s: _Shape, norms: tuple[mx.array, mx.array], extra_norms: tuple[mx.array, ...], freqs: mx.array | None,
+          qkv: nn.Module, o_proj: nn.Module, gate_up: nn.Module, down: nn.Module) -> tuple[BlockPlan | None, str]:
+    """The native block's view of this block if it computes it, else (None, why not).
+
+    Args:
+        extra_norms: the q and k norms (qk_norm), then the attention and MLP output norms (sandwich).
+        freqs: the RoPE frequency table (mx.fast.rope's `freqs`: periods), if the layer has one.
+    """
     formats = []
-    for kind in s.kinds:
+    for i, kind in enumerate(s.kinds):
         if kind.blocks is not None:
             formats.append(kind.blocks[0])
-        elif kind.quant is None and not kind.has_bias:
+        elif kind.quant is None and (not kind.has_bias or i == 0):  # a bias on q/k/v only
             formats.append(0)
         else:
-            return None, "a quantized or biased linear"
-    missing = [what for what, has in (("q/k norms", s.qk_norm), ("sandwich norms", s.sandwich),
-                                      ("GELU", s.activation != "silu"), ("a RoPE frequency table", s.rope.has_freqs))
-               if has]
-    if missing:
-        return None, ", ".join(missing)
-    weights = (norms[0], *linear_arrays(qkv), *linear_arrays(o_proj), norms[1], *linear_arrays(gate_up),
-               *linear_arrays(down))
+            return None, "an MLX-quantized linear or a bias outside q/k/v"
+    qkv_arrays = linear_arrays(qkv)
+    bias = qkv_arrays[1:] if s.kinds[0].has_bias else ()
+    table = ()
+    if freqs is not None:  # the kernel takes inverse frequencies: 1 / period, in double, rounded once
+        table = (mx.array((1.0 / np.array(freqs, dtype=np.float64)).astype(np.float32)),)
+    weights = (norms[0], qkv_arrays[0], *linear_arrays(o_proj), norms[1], *linear_arrays(gate_up),
+               *linear_arrays(down), *bias, *extra_norms, *table)
     hidden, inter = int(weights[0].shape[0]), int(weights[4].shape[0]) // 2
-    assert s.rope.base is not None
+    flags = (int(bool(bias)), int(s.qk_norm), int(s.sandwich), int(s.activation == "gelu_tanh"), int(bool(table)))
     plan = BlockPlan(
         weights=weights,
-        ints=(s.n_heads, s.n_kv, s.head_dim, hidden, inter, s.rope.dims, int(s.rope.traditional), *formats),
-        floats=(s.eps, s.eps, s.scale, s.rope.base, s.rope.scale),
+        ints=(s.n_heads, s.n_kv, s.head_dim, hidden, inter, s.rope.dims, int(s.rope.traditional), *formats, *flags),
+        floats=(s.eps, s.eps, s.scale, s.rope.base or 0.0, s.rope.scale),
     )
     return plan, ""
 
@@ -276,7 +282,8 @@ def _build(layer: nn.Module, family: Family) -> FusedBlock:
     qk_norms = (norm(a.q_norm), norm(a.k_norm)) if family.qk_norm else ()
     norm_in = norm(layer.input_layernorm)
     pre, core, post = _pieces(shape)
-    plan, why = _plan(shape, (norm_in, mlp_in), qkv, a.o_proj, gate_up, m.down_proj)
+    extra = (*qk_norms, *(() if attn_out is None else (attn_out, mlp_out)))
+    plan, why = _plan(shape, (norm_in, mlp_in), extra, freqs, qkv, a.o_proj, gate_up, m.down_proj)
     return FusedBlock(
         pre, core, post,
         pre_arrays=(norm_in, *linear_arrays(qkv), *qk_norms, *(() if freqs is None else (freqs,))),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,8 @@ class ModelSpec:
     is_quantized: bool  # linears are MLX quantized layers
     family: str = "llama"  # the model family's `model_type` (model/families/)
     layer_windows: tuple[int | None, ...] = ()  # per layer: its sliding window (keys incl. itself), None: global
-    weight_formats: tuple[str, ...] = ("fp32",)  # "fp32", "mlx-quantized", or the source GGUF's ggml types
+    weight_formats: tuple[str, ...] = field(default=("fp32",), compare=False)
+    # "fp32", "mlx-quantized", or the source GGUF's ggml types (not a shape fact: equal specs may differ here)
 
     def window_of(self, layer: int) -> int | None:
         """Layer `layer`'s sliding window, None for a global layer."""

@@ -40,8 +40,10 @@ class NativeKernels:
 class BlockPlan:
     """What the native `block` needs of one transformer block (fused_block.py builds it)."""
 
-    weights: tuple[mx.array, ...]  # norm_in, qkv, o_proj, norm_post, gate_up, down_proj
-    ints: tuple[int, ...]  # n_heads, n_kv, head_dim, hidden, inter, rope dims, rope traditional, 4 formats
+    weights: tuple[mx.array, ...]  # norm_in, qkv, o_proj, norm_post, gate_up, down_proj, then the family's extras
+    # (q/k/v bias, q norm, k norm, attention and MLP output norms, RoPE inverse frequencies: those it has)
+    ints: tuple[int, ...]  # n_heads, n_kv, head_dim, hidden, inter, rope dims, rope traditional, 4 formats,
+    # 5 family flags (qkv_bias, qk_norm, sandwich, gelu, inv_freq_table)
     floats: tuple[float, ...]  # eps_in, eps_post, scale, rope base, rope scale
 
 

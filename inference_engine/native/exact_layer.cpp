@@ -1,4 +1,4 @@
-// exact_layer: a whole llama-family transformer block, every session's rows, as one MLX node.
+// exact_layer: a whole transformer block (llama, mistral, qwen2, qwen3, gemma3), every session's rows, as one MLX node.
 //
 // Why: on the CPU a decode step's cost beyond the products is MLX building and dispatching
 // ~40 graph nodes per block (RMSNorm and RoPE fall back to a dozen ops each here, slices,
@@ -15,6 +15,10 @@
 //   attention over the row's session cache (exact_attention.cpp, which also stores k, v);
 //   h1 = h + attn @ Wo.T; g|u = rms_norm(h1, w_post) @ Wgu.T;
 //   h' = h1 + (g * (1 / (1 + exact_exp(-g))) * u) @ Wdown.T.
+// A family's additions (Shape's flags): a q/k/v bias added after the product; q and k heads
+// RMS-normed (the same rms_norm, over head_dim) before RoPE; RoPE's inverse frequencies from a
+// given table; the attention and MLP outputs RMS-normed before their residual adds (Gemma's
+// sandwich); GELU (tanh form, exact_tanh) instead of SiLU. `1 + w` norms come as effective weights.
 // Built with -ffp-contract=off: every product and sum rounded separately.
 
 #include "exact_layer.h"
@@ -65,6 +69,22 @@ void rope(float* x, int dims, bool traditional, const float* cos, const float* s
     float x1 = *a, x2 = *b;
     *a = x1 * c - x2 * s;
     *b = x1 * s + x2 * c;
+  }
+}
+
+// GELU, tanh form: (0.5 * g) * (1 + tanh(c * (g + 0.044715 * g^3))) * u, with our own tanh from
+// exact_exp (1 - 2 / (exp(2t) + 1), t clamped to [-10, 10] where tanh rounds to +-1 in float):
+// IEEE operations only, so every CPU gives the same bits.
+float exact_tanh(float t) {
+  t = t > 10.0f ? 10.0f : (t < -10.0f ? -10.0f : t);
+  return 1.0f - 2.0f / (exact_exp(2.0f * t) + 1.0f);
+}
+
+void gelu(const float* g, const float* u, int n, float* act) {
+  for (int l = 0; l < n; ++l) {
+    float x = g[l];
+    float inner = 0.7978845608f * (x + (0.044715f * x) * (x * x));
+    act[l] = ((0.5f * x) * (1.0f + exact_tanh(inner))) * u[l];
   }
 }
 
@@ -129,12 +149,13 @@ class ExactLayer : public mx::UnaryPrimitive {
     encoder.set_output_array(output);
     std::vector<const void*> w;
     std::vector<long> ldw;
-    for (size_t i = 1; i < 7; ++i) {
+    size_t n_weights = 6 + static_cast<size_t>(job_.shape.extra_weights());
+    for (size_t i = 1; i < 1 + n_weights; ++i) {
       w.push_back(inputs[i].data<void>());
       ldw.push_back(inputs[i].ndim() == 2 ? static_cast<long>(inputs[i].shape(1)) : 0);
     }
     std::vector<float*> storage;
-    for (size_t c = 7; c < inputs.size(); ++c)
+    for (size_t c = 1 + n_weights; c < inputs.size(); ++c)
       storage.push_back(const_cast<float*>(inputs[c].data<float>()));
     int rows = static_cast<int>(inputs[0].size() / job_.shape.hidden);
     encoder.dispatch([job = job_, h = inputs[0].data<float>(), w, ldw, storage, rows, out = output.data<float>()]() {
@@ -169,18 +190,39 @@ void Job::run(const float* h, const std::vector<const void*>& wv, const std::vec
     long lds[4] = {ldw[1], ldw[2], ldw[4], ldw[5]};
     const float* norm_in = static_cast<const float*>(wv[0]);
     const float* norm_post = static_cast<const float*>(wv[3]);
+    size_t e = 6;  // the family's extra weights, in Shape's order
+    const float* bias = s.qkv_bias ? static_cast<const float*>(wv[e++]) : nullptr;
+    const float* q_norm = s.qk_norm ? static_cast<const float*>(wv[e++]) : nullptr;
+    const float* k_norm = s.qk_norm ? static_cast<const float*>(wv[e++]) : nullptr;
+    const float* attn_norm = s.sandwich ? static_cast<const float*>(wv[e++]) : nullptr;
+    const float* mlp_norm = s.sandwich ? static_cast<const float*>(wv[e++]) : nullptr;
+    std::vector<float> table;
+    if (s.inv_freq_table) {
+      const float* f = static_cast<const float*>(wv[e++]);
+      table.assign(f, f + s.rope_dims / 2);
+    }
+    const std::vector<float>& freqs = s.inv_freq_table ? table : inv_freq;
     std::vector<float> x(static_cast<size_t>(rows) * s.hidden), qkv(static_cast<size_t>(rows) * width);
     std::vector<float> attn(static_cast<size_t>(rows) * s.n_heads * d);
     for (int r = 0; r < rows; ++r)
       rms_norm(h + static_cast<size_t>(r) * s.hidden, norm_in, s.eps_in, s.hidden, x.data() + static_cast<size_t>(r) * s.hidden);
     product(0, rows, width, s.hidden, x.data(), mats[0], lds[0], qkv.data());
+    if (bias != nullptr)
+      for (int i = 0; i < rows; ++i)
+        for (int l = 0; l < width; ++l)
+          qkv[static_cast<size_t>(i) * width + l] = qkv[static_cast<size_t>(i) * width + l] + bias[l];
     int r = 0;
-    std::vector<float> cos(inv_freq.size()), sin(inv_freq.size());
+    std::vector<float> cos(freqs.size()), sin(freqs.size());
     for (size_t g = 0; g < seg.starts.size(); ++g)
       for (int j = 0; j < seg.rows[g]; ++j, ++r) {
         float position = static_cast<float>(seg.starts[g] + j) * s.rope_scale;
         float* row = qkv.data() + static_cast<size_t>(r) * width;
-        angles(inv_freq, position, cos.data(), sin.data());
+        if (q_norm != nullptr)  // per head, in place (the norm reads a head whole before writing it)
+          for (int head = 0; head < s.n_heads + s.n_kv; ++head) {
+            float* x = row + static_cast<size_t>(head) * d;
+            rms_norm(x, head < s.n_heads ? q_norm : k_norm, s.eps_in, d, x);
+          }
+        angles(freqs, position, cos.data(), sin.data());
         for (int head = 0; head < s.n_heads + s.n_kv; ++head)
           rope(row + static_cast<size_t>(head) * d, s.rope_dims, s.rope_traditional, cos.data(), sin.data());
         for (int l = 0; l < s.n_heads * d; ++l)
@@ -193,6 +235,11 @@ void Job::run(const float* h, const std::vector<const void*>& wv, const std::vec
     exact_attention::write_and_attend(seg, storage, q, k, v, rows, s.n_kv, rep, d, attn.data());
     std::vector<float> y(static_cast<size_t>(rows) * s.hidden);
     product(1, rows, s.hidden, s.n_heads * d, attn.data(), mats[1], lds[1], y.data());
+    if (attn_norm != nullptr)
+      for (int i = 0; i < rows; ++i) {
+        float* yi = y.data() + static_cast<size_t>(i) * s.hidden;
+        rms_norm(yi, attn_norm, s.eps_in, s.hidden, yi);
+      }
     for (size_t i = 0; i < y.size(); ++i)
       out[i] = h[i] + y[i];  // h1, kept in the output
     for (int i = 0; i < rows; ++i)
@@ -201,9 +248,14 @@ void Job::run(const float* h, const std::vector<const void*>& wv, const std::vec
     product(2, rows, 2 * s.inter, s.hidden, x.data(), mats[2], lds[2], gu.data());
     for (int i = 0; i < rows; ++i) {
       const float* g = gu.data() + static_cast<size_t>(i) * 2 * s.inter;
-      silu(g, g + s.inter, s.inter, act.data() + static_cast<size_t>(i) * s.inter);
+      (s.gelu ? gelu : silu)(g, g + s.inter, s.inter, act.data() + static_cast<size_t>(i) * s.inter);
     }
     product(3, rows, s.hidden, s.inter, act.data(), mats[3], lds[3], y.data());
+    if (mlp_norm != nullptr)
+      for (int i = 0; i < rows; ++i) {
+        float* yi = y.data() + static_cast<size_t>(i) * s.hidden;
+        rms_norm(yi, mlp_norm, s.eps_in, s.hidden, yi);
+      }
     for (size_t i = 0; i < y.size(); ++i)
       out[i] = out[i] + y[i];
 }
@@ -218,7 +270,22 @@ void check(bool ok, const std::string& what) {
 mx::array block(const mx::array& h, const std::vector<mx::array>& weights, const std::vector<mx::array>& caches,
                 const Shape& s, const exact_attention::Segments& seg, Linear linear) {
   check(linear != nullptr, "no product kernel bound");
-  check(weights.size() == 6, "six weight arrays: norm_in, qkv, o, norm_post, gate_up, down");
+  check(weights.size() == 6 + static_cast<size_t>(s.extra_weights()),
+        "six weight arrays (norm_in, qkv, o, norm_post, gate_up, down), then the family's extras");
+  size_t e = 6;
+  int width = (s.n_heads + 2 * s.n_kv) * s.head_dim;
+  auto extra = [&](bool on, size_t n, const char* what) {
+    if (on) {
+      check(weights[e].dtype() == mx::float32 && weights[e].size() == n, what);
+      ++e;
+    }
+  };
+  extra(s.qkv_bias, static_cast<size_t>(width), "the q/k/v bias must be (q|k|v width) float32");
+  extra(s.qk_norm, static_cast<size_t>(s.head_dim), "the q norm must be (head_dim) float32");
+  extra(s.qk_norm, static_cast<size_t>(s.head_dim), "the k norm must be (head_dim) float32");
+  extra(s.sandwich, static_cast<size_t>(s.hidden), "the attention output norm must be (hidden) float32");
+  extra(s.sandwich, static_cast<size_t>(s.hidden), "the MLP output norm must be (hidden) float32");
+  extra(s.inv_freq_table, static_cast<size_t>(s.rope_dims / 2), "the RoPE table must be (rope_dims / 2) float32");
   check(h.dtype() == mx::float32 && h.ndim() == 3 && h.shape(0) == 1 && h.shape(2) == s.hidden, "h must be (1, R, hidden) float32");
   check(s.n_kv > 0 && s.n_heads % s.n_kv == 0 && s.head_dim > 0 && s.rope_dims <= s.head_dim && s.rope_dims % 2 == 0,
         "bad head shape");

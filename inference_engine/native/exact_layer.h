@@ -17,7 +17,14 @@ struct Shape {  // static facts of a block
   int rope_dims, rope_traditional;
   int fmt[4];  // qkv, o_proj, gate_up, down_proj: 0 fp32, 3 Q4_1, 8 Q8_0
   float eps_in, eps_post, scale, rope_base, rope_scale;
+  // What a model family adds (model/families/), each 0 or 1; their weights follow the six in this order:
+  int qkv_bias = 0;        // a bias (q|k|v width) added to the q/k/v product (Qwen2)
+  int qk_norm = 0;         // q and k heads RMS-normed before RoPE: q_norm, k_norm (head_dim each)
+  int sandwich = 0;        // attention and MLP outputs RMS-normed before the residual: two (hidden)
+  int gelu = 0;            // the MLP gate is GELU (tanh form, our own tanh) instead of SiLU
+  int inv_freq_table = 0;  // RoPE's inverse frequencies given (rope_dims / 2; Llama 3 scaling), not from the base
 
+  int extra_weights() const { return qkv_bias + 2 * qk_norm + 2 * sandwich + inv_freq_table; }
   bool operator==(const Shape&) const = default;
 };
 

@@ -190,11 +190,20 @@ mx::array block(const mx::array& h, const std::vector<mx::array>& weights, const
                 std::vector<int> ints, std::vector<float> floats, exact_attention::Segments seg) {
   if (kernel == nullptr || sgemm == nullptr)
     throw std::runtime_error("exact_quant: no kernel bound; call bind_kernel(path of the exact-gemm library) first");
-  if (ints.size() != 11 || floats.size() != 5)
+  if ((ints.size() != 11 && ints.size() != 16) || floats.size() != 5)
     throw std::invalid_argument("exact_layer: 11 ints (n_heads, n_kv, head_dim, hidden, inter, rope_dims, "
-                                "rope_traditional, 4 formats) and 5 floats (eps_in, eps_post, scale, rope_base, rope_scale)");
+                                "rope_traditional, 4 formats) [+ 5 family flags: qkv_bias, qk_norm, sandwich, gelu, "
+                                "inv_freq_table] and 5 floats (eps_in, eps_post, scale, rope_base, rope_scale)");
   exact_layer::Shape s{ints[0], ints[1], ints[2], ints[3], ints[4], ints[5], ints[6], {ints[7], ints[8], ints[9], ints[10]},
                        floats[0], floats[1], floats[2], floats[3], floats[4]};
+  if (ints.size() == 16) {
+    int* flags[5] = {&s.qkv_bias, &s.qk_norm, &s.sandwich, &s.gelu, &s.inv_freq_table};
+    for (int i = 0; i < 5; ++i) {
+      if (ints[11 + i] != 0 && ints[11 + i] != 1)
+        throw std::invalid_argument("exact_layer: the family flags are 0 or 1");
+      *flags[i] = ints[11 + i];
+    }
+  }
   return exact_layer::block(h, weights, caches, s, seg, &linear);
 }
 
