@@ -58,13 +58,15 @@ class GgufFile:
         return np.fromfile(self.path, np.uint8, t.nbytes, offset=t.offset)
 
 
-def _type_size(kind: int) -> tuple[int, int]:
+def _type_size(kind: int) -> tuple[int, int] | None:
+    """(elements, bytes) per block of a ggml type; None for a type gguf-py does not know (the
+    loader's type check then names the tensor)."""
     import gguf
 
     try:
         return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(kind)]
     except (ValueError, KeyError):
-        raise ValueError(f"ggml type {kind} is unknown to gguf-py") from None
+        return None
 
 
 def read_gguf(path: Path) -> GgufFile:
@@ -119,9 +121,8 @@ def read_gguf(path: Path) -> GgufFile:
         data = (pos + alignment - 1) // alignment * alignment
         tensors = []
         for name, kind, shape, offset in infos:
-            per, size = _type_size(kind) if kind in range(0, 64) else (1, 0)
-            elements = int(np.prod(shape))
-            tensors.append(TensorInfo(name, kind, shape, data + offset, elements // per * size if per else 0))
+            per, size = _type_size(kind) or (1, 0)
+            tensors.append(TensorInfo(name, kind, shape, data + offset, int(np.prod(shape)) // per * size))
         return GgufFile(path, metadata, tuple(tensors))
     except struct.error as exc:
         raise ValueError(f"{path}: the GGUF header is truncated ({exc})") from None
