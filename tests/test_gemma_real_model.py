@@ -15,6 +15,7 @@ from inference_engine.runtime.engine import Engine
 from inference_engine.served_model import load_served_model
 from inference_engine.v1 import runtime_pb2 as pb
 from tests.conftest import running_server
+from tests.kernel_guard import assert_full_tile
 from tests.test_batching import GREEDY, LOOKUP, Scenario, assert_batch_invariant
 
 pytestmark = pytest.mark.real_model
@@ -24,7 +25,7 @@ SINK, WINDOW, N = 4, 32, 80
 @pytest.fixture(scope="module")
 def gemma():
     served = load_served_model(GEMMA_MODEL, "q4_1", default_cache_dir())
-    e = Engine(served.loaded, exact=True, max_tile=16, plain_block=64, max_rollback=8)
+    e = assert_full_tile(Engine(served.loaded, exact=True, max_tile=16, plain_block=64, max_rollback=8))
     yield e
     e.close()
 

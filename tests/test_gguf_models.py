@@ -25,6 +25,7 @@ from inference_engine.verifier.sliding_kv_cache import layer_cache
 from tests.exactness import chunkings, feed
 from tests.family_gguf import write_family_gguf
 from tests.family_models import FAMILY_CONFIGS
+from tests.kernel_guard import assert_full_tile
 
 FAMILIES = ["gemma3_text", "llama", "qwen2", "qwen3"]
 LINEARS = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
@@ -81,7 +82,7 @@ def quantized_gemma(tmp_path_factory):
     path = tmp_path_factory.mktemp("gg") / "gemma.gguf"
     write_family_gguf("gemma3_text", path, _types(1))
     served = load_served_model(str(path), "q4_1", tmp_path_factory.mktemp("cache"))
-    e = Engine(served.loaded, exact=True, max_tile=16, plain_block=64, max_rollback=8)
+    e = assert_full_tile(Engine(served.loaded, exact=True, max_tile=16, plain_block=64, max_rollback=8))
     yield served, e
     e.close()
 

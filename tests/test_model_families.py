@@ -23,6 +23,7 @@ from inference_engine.session.coordinator import SessionCoordinator
 from inference_engine.v1 import runtime_pb2 as pb
 from tests.exactness import chunkings, feed
 from tests.family_models import FAMILY_CONFIGS, save_family_model
+from tests.kernel_guard import assert_full_tile
 from tests.test_batching import GREEDY, LOOKUP, Scenario, assert_batch_invariant
 
 SINK, WINDOW, N = 2, 12, 60  # 2 + 12 + 16 + 9 = 39 slots: 60 tokens wrap the ring
@@ -34,7 +35,7 @@ def family(request, tmp_path_factory):
     """(name, loaded model, exact engine, folder) of one family's tiny model."""
     folder = save_family_model(request.param, tmp_path_factory.mktemp(request.param))
     loaded = load_model(folder)
-    engine = Engine(loaded, exact=True, max_tile=16, plain_block=64, max_rollback=8)
+    engine = assert_full_tile(Engine(loaded, exact=True, max_tile=16, plain_block=64, max_rollback=8))
     yield request.param, loaded, engine, folder
     engine.close()
 
