@@ -46,6 +46,7 @@ class ServerConfig:
     max_window: int = 8192  # largest window a session may ask for
     max_rollback: int = 8  # most trailing tokens commit_or_truncate may drop (largest draft block)
     max_tokens_per_request: int = 8192  # tokens in one AppendTokens
+    max_text_chars: int = 65536  # characters of text in one request (text, or messages' contents together), before tokenizing
     max_new_tokens: int = 4096  # upper bound of GenerateRequest.max_new_tokens
     default_new_tokens: int = 512  # max_new_tokens of a request that says 0
     session_ttl_s: float = 900.0  # idle sessions expire after this
@@ -68,7 +69,9 @@ class ServerConfig:
     prefix_cache_bytes: int = 1 << 29  # K/V bytes of sessions the HTTP API keeps for prefix reuse (0 = none kept)
     # -- session snapshots and persistence (README: "Session snapshots")
     snapshot_dir: Path | None = None  # where SnapshotSession(to_dir) writes and RestoreSession(file) reads
-    max_snapshot_bytes: int = 1 << 30  # largest snapshot RestoreSession accepts
+    max_snapshot_bytes: int = 1 << 30  # largest snapshot RestoreSession accepts (its header's size, checked first)
+    max_transfers: int = 4  # SnapshotSession/RestoreSession calls running at once (each holds one snapshot)
+    max_transfers_per_identity: int = 2  # of which one identity may run
     persist_dir: Path | None = None  # --persist-sessions: live sessions survive restarts here
     persist_every: int = 1  # write a session after every N-th completed AppendTokens/Generate
     persist_interval_s: float = 30.0  # and every S seconds if it has calls not yet written (0 = never)
@@ -97,6 +100,9 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-window", type=int, default=d.max_window)
     parser.add_argument("--max-rollback", type=int, default=d.max_rollback)
     parser.add_argument("--max-tokens-per-request", type=int, default=d.max_tokens_per_request)
+    parser.add_argument("--max-text-chars", type=int, default=d.max_text_chars,
+                        help="characters of text one request may carry (text, or the messages' contents together), "
+                        "checked before tokenizing")
     parser.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
     parser.add_argument("--default-new-tokens", type=int, default=d.default_new_tokens,
                         help="max_new_tokens of a Generate that says 0")
@@ -136,7 +142,12 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--snapshot-dir", type=Path, default=None,
                         help="folder for SnapshotSession(to_dir) files and RestoreSession(file)")
     parser.add_argument("--max-snapshot-bytes", type=int, default=d.max_snapshot_bytes,
-                        help="largest snapshot RestoreSession accepts")
+                        help="largest snapshot RestoreSession accepts (bytes or file; the size its header "
+                        "declares is checked before the body is read)")
+    parser.add_argument("--max-transfers", type=int, default=d.max_transfers,
+                        help="SnapshotSession/RestoreSession calls running at once; more are RESOURCE_EXHAUSTED")
+    parser.add_argument("--max-transfers-per-identity", type=int, default=d.max_transfers_per_identity,
+                        help="of --max-transfers, how many one identity may run")
     parser.add_argument("--persist-sessions", type=Path, default=None, metavar="DIR",
                         help="write live sessions here (after calls, periodically, at shutdown) and restore them "
                         "with their ids at start-up")
@@ -197,7 +208,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         draft_model=_draft_choice(args.draft_model, args.model),
         max_sessions=args.max_sessions, max_kv_bytes=args.max_kv_bytes, default_sink=args.default_sink, default_window=args.default_window,
         max_sink=args.max_sink, max_window=args.max_window, max_rollback=args.max_rollback,
-        max_tokens_per_request=args.max_tokens_per_request, max_new_tokens=args.max_new_tokens,
+        max_tokens_per_request=args.max_tokens_per_request, max_text_chars=args.max_text_chars,
+        max_new_tokens=args.max_new_tokens,
         default_new_tokens=args.default_new_tokens,
         session_ttl_s=args.session_ttl, exact=not args.no_exact, max_tile=args.max_tile, grace_s=args.grace,
         max_batch_rows=args.max_batch_rows, append_rows=args.append_rows,
@@ -206,7 +218,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         security=server_security_from_args(args), shard_security=client_security_from_args(args, "shard-"),
         metrics_host=args.metrics_host, metrics_port=args.metrics_port,
         http_port=args.http_port, prefix_cache_bytes=args.prefix_cache_bytes,
-        snapshot_dir=args.snapshot_dir, max_snapshot_bytes=args.max_snapshot_bytes, persist_dir=args.persist_sessions,
+        snapshot_dir=args.snapshot_dir, max_snapshot_bytes=args.max_snapshot_bytes, max_transfers=args.max_transfers,
+        max_transfers_per_identity=args.max_transfers_per_identity, persist_dir=args.persist_sessions,
         persist_every=args.persist_every, persist_interval_s=args.persist_interval,
     )
     checks = {
@@ -230,6 +243,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         "--http-port": 0 <= cfg.http_port <= 65535,
         "--prefix-cache-bytes": cfg.prefix_cache_bytes >= 0,
         "--max-snapshot-bytes": cfg.max_snapshot_bytes >= 1,
+        "--max-transfers": cfg.max_transfers >= 1,
+        "--max-transfers-per-identity": 1 <= cfg.max_transfers_per_identity <= cfg.max_transfers,
+        "--max-text-chars": cfg.max_text_chars >= 1,
         "--persist-every": cfg.persist_every >= 1,
         "--persist-interval": cfg.persist_interval_s >= 0,
     }

@@ -48,6 +48,11 @@ class PoolExhausted(RuntimeServiceError):
     """Every KV slab of the pool is in use (RESOURCE_EXHAUSTED)."""
 
 
+class TooManyTransfers(RuntimeServiceError):
+    """As many snapshot and restore streams are open as --max-transfers (or, for this identity,
+    --max-transfers-per-identity) allow (RESOURCE_EXHAUSTED: retry later)."""
+
+
 class InvariantViolation(RuntimeServiceError):
     """An operation would break INV-1/INV-2 or the session's state (FAILED_PRECONDITION)."""
 

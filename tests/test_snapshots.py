@@ -164,7 +164,9 @@ async def test_request_shape_errors(engine):
             (stub.RestoreSession(iter([pb.RestoreSessionRequest(file="a.iesnap", data=b"x")])),
              grpc.StatusCode.INVALID_ARGUMENT, "must come alone"),
             (stub.RestoreSession(iter([pb.RestoreSessionRequest(data=b"x" * 600)] * 2)),
-             grpc.StatusCode.INVALID_ARGUMENT, "more than 1000 bytes"),
+             grpc.StatusCode.INVALID_ARGUMENT, "not an inference_engine session snapshot"),
+            (restore_bytes(stub, await snapshot_bytes(stub, sid)), grpc.StatusCode.INVALID_ARGUMENT,
+             "bytes; allowed up to 1000 (--max-snapshot-bytes)"),
             (stub.RestoreSession(iter([pb.RestoreSessionRequest(file="a.iesnap")])),
              grpc.StatusCode.FAILED_PRECONDITION, "--snapshot-dir"),
             (_drain(stub.SnapshotSession(pb.SnapshotSessionRequest(session_id=sid, to_dir=True))),
@@ -334,10 +336,10 @@ async def test_a_snapshot_folder_that_fails_at_call_time_is_failed_precondition(
             "the snapshot as bytes instead (to_dir false)"
         monkeypatch.undo()
 
-        def unreadable(self):
-            raise PermissionError(13, "Permission denied", str(self))
+        def unreadable(folder, name, limit):
+            raise PermissionError(13, "Permission denied", str(folder / name))
 
-        monkeypatch.setattr(Path, "read_bytes", unreadable)
+        monkeypatch.setattr(session_transfer_module, "open_snapshot", unreadable)
         err = await _error(stub.RestoreSession(iter([pb.RestoreSessionRequest(file=msg.file)])))
         monkeypatch.undo()
         assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "could not be read (Permission denied)" in \

@@ -5,10 +5,15 @@ The semantics, over the runtime's store and engine (independent of gRPC):
 - A snapshot is taken on the engine thread at the session's next clean point (a running
   Generate between two handed-out steps, an append finished), so it holds exactly what the
   session's clients have seen; encoding and checksumming run off the event loop.
-- A restore checks the snapshot whole (checksum, format, compatibility, shapes) before
-  anything is allocated, reserves a pool slot, loads the state on the engine thread and
-  checks the loaded state's digest against the recorded one before the session is
-  registered: it either appears complete, or not at all (its slab freed, here or on a route).
+- A restore reads the snapshot's head first (format version, fingerprint, sink/window, the
+  declared size against --max-snapshot-bytes, the owner of a file) and reserves the pool slot
+  and K/V bytes before it takes the body, which goes into one buffer of the declared size
+  (`snapshot_intake.py`); then it checks the snapshot whole (checksum, format, compatibility,
+  shapes), loads the state on the engine thread and checks the loaded state's digest against
+  the recorded one before the session is registered: it either appears complete, or not at
+  all (its slab freed, here or on a route).
+- Transfers are bounded (`transfer_slots.py`): the servicer holds a slot for each
+  SnapshotSession and RestoreSession call, so at most --max-transfers snapshots are in memory.
 - A fork is a capture and an install without the bytes in between.
 
 The restored or forked session belongs to the caller. `adopt` is also how `--persist-sessions`
@@ -25,7 +30,8 @@ import hashlib
 import json
 import logging
 import secrets
-from collections.abc import Iterator
+import os
+from collections.abc import AsyncIterable, AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,7 +40,9 @@ from inference_engine.blas import active_blas
 from inference_engine.errors import InvalidRequest, InvariantViolation, SnapshotCorrupt, SnapshotIncompatible
 from inference_engine.model.loader import model_fingerprint
 from inference_engine.runtime.runtime import Runtime
-from inference_engine.runtime.snapshot_files import SUFFIX, resolve, write_atomic
+from inference_engine.runtime.snapshot_files import SUFFIX, open_snapshot, write_atomic
+from inference_engine.runtime.snapshot_intake import SnapshotIntake
+from inference_engine.runtime.transfer_slots import TransferSlots
 from inference_engine.security.settings import ANONYMOUS
 from inference_engine.session.session import Session
 from inference_engine.session.snapshot import capture, install, seal
@@ -42,6 +50,7 @@ from inference_engine.session.snapshot_format import (
     Fingerprint,
     PersistedIdentity,
     SessionSnapshot,
+    SnapshotHead,
     check_compatible,
     decode,
     encode,
@@ -51,6 +60,7 @@ from inference_engine.short_id import short_id
 
 log = logging.getLogger(__name__)
 MAX_EOS_IDS, MAX_LABEL_CHARS = 64, 256  # as CreateSession allows
+FILE_CHUNK_BYTES = 1 << 20  # bytes per read of a RestoreSession(file)
 
 
 @dataclass(frozen=True)
@@ -77,7 +87,7 @@ class SnapshotTaken:
 class RestoreParams:
     """A validated RestoreSession request (exactly one of data and file)."""
 
-    data: bytes  # the snapshot's bytes
+    data: bytes | AsyncIterable[bytes]  # the snapshot's bytes, whole or as they arrive
     file: str  # or a file name under the snapshot folder
     owner: str = ANONYMOUS  # the new session's owner (the caller)
 
@@ -108,6 +118,7 @@ class SessionTransfer:
         self.store = runtime.store
         self.config = runtime.config
         self._fingerprint = self._own_fingerprint()  # once, at start-up (it hashes the vocabulary)
+        self.slots = TransferSlots(self.config.max_transfers, self.config.max_transfers_per_identity)
 
     def fingerprint(self, sink: int, window: int) -> Fingerprint:
         """What a snapshot of a session with this sink/window taken here records."""
@@ -159,25 +170,59 @@ class SessionTransfer:
     async def restore(self, p: RestoreParams) -> SessionRestored:
         """RestoreSession: a new session of the caller's from snapshot bytes or a file of theirs.
 
+        The head is checked and the slot reserved before the body is taken (see the module docstring).
+
         Raises:
             SnapshotCorrupt: truncated, damaged, not a snapshot, or inconsistent with this model.
             SnapshotIncompatible: another format version, model, tokenizer, kernels, block size,
                 mode, or a sink/window over this server's limits.
-            InvalidRequest: no such file (or another identity's).
+            InvalidRequest: no bytes; over --max-snapshot-bytes; no such file (or another identity's),
+                or not a regular file.
             InvariantViolation: `file` without a snapshot folder, or the file could not be read.
             PoolExhausted: no slab is free.
             EngineUnavailable: the server is shutting down (a session made now would not outlive it).
         """
         self.runtime.check_serving()
         self.store.reserve()  # fail fast before reading anything
-        data = p.data if not p.file else await self._read_file(p.file)
-        snap = await asyncio.to_thread(decode, data)
-        if p.file and (snap.identity is None or snap.identity.owner != p.owner):
-            raise InvalidRequest(f"there is no snapshot file {p.file!r} in the snapshot folder", "file")
-        session = await self.adopt(snap, self.store.new_id(), p.owner)
+        intake = SnapshotIntake(self.config.max_snapshot_bytes)
+        source = self._file_chunks(p.file) if p.file else _chunks(p.data)
+        async with contextlib.aclosing(source), contextlib.AsyncExitStack() as reserved:
+            async for chunk in source:
+                head = intake.feed(chunk)
+                if head is not None:  # before the body: refuse it, or reserve its slab
+                    self._check_head(head, p)
+                    f = head.fingerprint
+                    reserved.enter_context(self.store.reservation(self.engine.slab_bytes(f.sink, f.window)))
+            snap = await asyncio.to_thread(decode, intake.finish())
+            del intake  # the buffer: its arrays now belong to `snap`
+            self._check_owner(snap.identity, p)
+            self.check_fits(snap)
+            session = await self._install(snap, self.store.new_id(), p.owner)
         log.info("session %s restored from a snapshot by %s (%d tokens)", session.tag, short_id(p.owner),
                  snap.history_length)
         return self._restored(session, snap)
+
+    def _check_head(self, head: SnapshotHead, p: RestoreParams) -> None:
+        """What the head alone decides: the owner of a file, the fingerprint, sink and window.
+
+        Raises:
+            InvalidRequest: another identity's file. SnapshotIncompatible: see `check_fits`.
+        """
+        self._check_owner(head.identity, p)
+        f = head.fingerprint
+        check_compatible(head, self.fingerprint(f.sink, f.window))
+        self._check_limits(f.sink, f.window)
+
+    @staticmethod
+    def _check_owner(identity: PersistedIdentity | None, p: RestoreParams) -> None:
+        if p.file and (identity is None or identity.owner != p.owner):  # as if missing: names reveal nothing
+            raise InvalidRequest(f"there is no snapshot file {p.file!r} in the snapshot folder", "file")
+
+    def _check_limits(self, sink: int, window: int) -> None:
+        cfg = self.config
+        if sink > cfg.max_sink or not 1 <= window <= cfg.max_window:
+            raise SnapshotIncompatible(f"the snapshot's session has sink {sink} and window {window}; this server "
+                                       f"allows sink 0..{cfg.max_sink} and window 1..{cfg.max_window}")
 
     async def fork(self, session_id: str, owner: str = ANONYMOUS) -> SessionRestored:
         """ForkSession: a new session of the caller's starting as an exact copy of theirs.
@@ -204,20 +249,26 @@ class SessionTransfer:
         """
         self.check_fits(snap)
         f = snap.fingerprint
-        geometry = self.engine.geometry(f.sink, f.window)
         with self.store.reservation(self.engine.slab_bytes(f.sink, f.window)):  # held from here, released on any failure
-            prepared = await asyncio.to_thread(self.engine.prepare_session, f.sink, f.window)  # off the engine thread
-            coordinator = await self.engine.run(
-                lambda: install(snap, self.engine.backend, geometry, short_id(session_id), prepared))
-            session = Session(session_id, coordinator, f.sink, f.window, snap.eos_token_ids, snap.client_label,
-                              owner=owner, chat=snap.chat)  # the next chat turn renders as on the original
-            if created_ns is not None:
-                session.created_ns = created_ns
-            try:
-                self.store.add(session, reserved=True)
-            except BaseException:
-                session.free()
-                raise
+            return await self._install(snap, session_id, owner, created_ns)
+
+    async def _install(self, snap: SessionSnapshot, session_id: str, owner: str,
+                       created_ns: int | None = None) -> Session:
+        """Build and register the session of a checked snapshot, inside the caller's `reservation`."""
+        f = snap.fingerprint
+        geometry = self.engine.geometry(f.sink, f.window)
+        prepared = await asyncio.to_thread(self.engine.prepare_session, f.sink, f.window)  # off the engine thread
+        coordinator = await self.engine.run(
+            lambda: install(snap, self.engine.backend, geometry, short_id(session_id), prepared))
+        session = Session(session_id, coordinator, f.sink, f.window, snap.eos_token_ids, snap.client_label,
+                          owner=owner, chat=snap.chat)  # the next chat turn renders as on the original
+        if created_ns is not None:
+            session.created_ns = created_ns
+        try:
+            self.store.add(session, reserved=True)
+        except BaseException:
+            session.free()
+            raise
         return session
 
     def check_fits(self, snap: SessionSnapshot) -> None:
@@ -227,11 +278,9 @@ class SessionTransfer:
             SnapshotIncompatible: format-level fingerprint differences, or sink/window over the limits.
             SnapshotCorrupt: shapes, dtypes or ids that do not fit this model (a damaged or forged file).
         """
-        f, spec, cfg = snap.fingerprint, self.engine.spec, self.config
+        f, spec = snap.fingerprint, self.engine.spec
         check_compatible(snap, self.fingerprint(f.sink, f.window))
-        if f.sink > cfg.max_sink or not 1 <= f.window <= cfg.max_window:
-            raise SnapshotIncompatible(f"the snapshot's session has sink {f.sink} and window {f.window}; this server "
-                                       f"allows sink 0..{cfg.max_sink} and window 1..{cfg.max_window}")
+        self._check_limits(f.sink, f.window)
         n, kv = snap.history_length, snap.kv
         want = (spec.num_layers, spec.num_kv_heads, retained_count(n, f.sink, f.window), spec.head_dim)
         problems = {
@@ -249,16 +298,22 @@ class SessionTransfer:
         if bad:
             raise SnapshotCorrupt(f"the snapshot does not fit this model: {'; '.join(bad)}", "data")
 
-    async def _read_file(self, name: str) -> bytes:
-        """The bytes of the snapshot file `name` under the snapshot folder.
+    async def _file_chunks(self, name: str) -> AsyncIterator[bytes]:
+        """The bytes of the snapshot file `name` under the snapshot folder, a chunk at a time
+        (`open_snapshot`: a regular file inside the folder, not over --max-snapshot-bytes).
 
         Raises:
-            InvalidRequest: not a plain snapshot file name, or no such file.
+            InvalidRequest: not a plain snapshot file name, no such file, not a regular file, or too large.
             InvariantViolation: no snapshot folder, or it could not be read.
         """
         folder = self._folder()
         with self._folder_errors(folder, "read", "send the snapshot's bytes instead (data)"):
-            return await asyncio.to_thread(resolve(folder, name).read_bytes)
+            fd, _ = await asyncio.to_thread(open_snapshot, folder, name, self.config.max_snapshot_bytes)
+            try:
+                while chunk := await asyncio.to_thread(os.read, fd, FILE_CHUNK_BYTES):
+                    yield chunk
+            finally:
+                os.close(fd)
 
     def _folder(self) -> Path:
         folder = self.config.snapshot_dir
@@ -285,3 +340,14 @@ class SessionTransfer:
     @staticmethod
     def _restored(session: Session, snap: SessionSnapshot) -> SessionRestored:
         return SessionRestored(session.session_id, snap.history_length, snap.state_digest, session.sink, session.window)
+
+
+async def _chunks(data: bytes | AsyncIterable[bytes]) -> AsyncIterator[bytes]:
+    """`data` as chunks: the given ones, or one (whole bytes)."""
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        view = memoryview(data)
+        for offset in range(0, len(view), FILE_CHUNK_BYTES):
+            yield bytes(view[offset : offset + FILE_CHUNK_BYTES])
+        return
+    async for chunk in data:
+        yield chunk

@@ -7,8 +7,10 @@ one, never a torn one (and a torn temporary is ignored and removed at the next s
 
 from __future__ import annotations
 
+import errno
 import os
 import re
+import stat
 from pathlib import Path
 
 from inference_engine.errors import InvalidRequest
@@ -58,16 +60,41 @@ def remove_temporaries(folder: Path) -> int:
     return len(stale)
 
 
-def resolve(folder: Path, name: str) -> Path:
-    """The path of the snapshot file `name` under `folder` (a plain name: no folders, no `..`).
+def open_snapshot(folder: Path, name: str, limit: int) -> tuple[int, int]:
+    """Open the snapshot file `name` directly inside `folder` for reading: a regular file, not followed
+    through a symlink (O_NOFOLLOW, relative to the folder's own descriptor), never blocking on a FIFO, and
+    its size checked against `limit` before a byte is read.
 
+    Args:
+        folder: the snapshot folder. name: the file's plain name. limit: --max-snapshot-bytes.
+    Returns:
+        The open descriptor (the caller closes it) and the file's size.
     Raises:
-        InvalidRequest: not a plain file name, or no such file (field `file`).
+        InvalidRequest: not a plain snapshot file name, no such file, not a regular file (a symlink, a FIFO,
+            a folder), or over `limit` (field `file`).
+        OSError: the folder cannot be opened (removed, not a folder, unreadable).
     """
     if not _NAME.fullmatch(name) or not name.endswith(SUFFIX):
         raise InvalidRequest(f"file {name!r} is not a snapshot file name; allowed: a plain name ending in {SUFFIX} "
                              "(letters, digits, '.', '_', '-'), as SnapshotSession returned it", "file")
-    path = folder / name
-    if not path.is_file():
-        raise InvalidRequest(f"there is no snapshot file {name!r} in the snapshot folder", "file")
-    return path
+    folder_fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=folder_fd)
+    except FileNotFoundError:
+        raise InvalidRequest(f"there is no snapshot file {name!r} in the snapshot folder", "file") from None
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        raise InvalidRequest(f"{name!r} in the snapshot folder is a symbolic link; allowed: regular files "
+                             "SnapshotSession wrote there", "file") from None
+    finally:
+        os.close(folder_fd)
+    info = os.fstat(fd)
+    refusal = (f"{name!r} in the snapshot folder is not a regular file; allowed: regular files SnapshotSession "
+               "wrote there" if not stat.S_ISREG(info.st_mode) else
+               f"snapshot file {name!r} has {info.st_size} bytes; allowed up to {limit} (--max-snapshot-bytes)"
+               if info.st_size > limit else "")
+    if refusal:
+        os.close(fd)
+        raise InvalidRequest(refusal, "file")
+    return fd, info.st_size

@@ -35,6 +35,8 @@ ERROR_SPECS: dict[type[errors.RuntimeServiceError], ErrorSpec] = {
     errors.UnknownModel: ErrorSpec(grpc.StatusCode.NOT_FOUND, "MODEL_NOT_FOUND", 404),
     errors.SessionNotFound: ErrorSpec(grpc.StatusCode.NOT_FOUND, "SESSION_NOT_FOUND", 404),
     errors.PoolExhausted: ErrorSpec(grpc.StatusCode.RESOURCE_EXHAUSTED, "POOL_EXHAUSTED", 429, retry_after_s=1.0),
+    errors.TooManyTransfers: ErrorSpec(grpc.StatusCode.RESOURCE_EXHAUSTED, "TOO_MANY_TRANSFERS", 429,
+                                       retry_after_s=1.0),
     errors.InvariantViolation: ErrorSpec(grpc.StatusCode.FAILED_PRECONDITION, "FAILED_PRECONDITION", 409),
     errors.FeatureUnavailable: ErrorSpec(grpc.StatusCode.FAILED_PRECONDITION, "FEATURE_UNAVAILABLE", 400),
     errors.SessionBusy: ErrorSpec(grpc.StatusCode.ABORTED, "SESSION_BUSY", 409, retry_after_s=0.1),

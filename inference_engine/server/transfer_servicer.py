@@ -3,7 +3,9 @@
 A subclass, so the core servicer stays as it is: protobuf in, the frozen dataclasses of
 `runtime/session_transfer.py` down, errors mapped once by the same `_mapped`. Snapshots
 travel in chunks of SNAPSHOT_CHUNK_BYTES (a snapshot at the default window is ~47 MB,
-far over gRPC's 4 MiB message limit).
+far over gRPC's 4 MiB message limit). Each call holds a transfer slot from its start to its
+end (--max-transfers, --max-transfers-per-identity); a restore's messages are read only as
+the restore takes them (its head checked and its slab reserved before the body).
 """
 
 from __future__ import annotations
@@ -35,37 +37,28 @@ class TransferServicer(RuntimeServicer):
                               owner: str) -> None:
         call_record.current().session_id = request.session_id
         params = SnapshotParams(self.validate.session_id(request.session_id), request.to_dir, owner)
-        taken = await self.transfer.snapshot(params)
-        first = pb.SnapshotSessionResponse(file=taken.file, snapshot_bytes=taken.size,
-                                           history_length=taken.history_length, state_digest=taken.state_digest)
-        view = memoryview(taken.data)
-        for offset in range(0, len(view), SNAPSHOT_CHUNK_BYTES) if view else [0]:
-            first.data = bytes(view[offset : offset + SNAPSHOT_CHUNK_BYTES])
-            await context.write(first)
-            first = pb.SnapshotSessionResponse()
+        with self.transfer.slots.hold(owner):  # the snapshot's bytes stay in memory until the client read them
+            taken = await self.transfer.snapshot(params)
+            first = pb.SnapshotSessionResponse(file=taken.file, snapshot_bytes=taken.size,
+                                               history_length=taken.history_length, state_digest=taken.state_digest)
+            view = memoryview(taken.data)
+            for offset in range(0, len(view), SNAPSHOT_CHUNK_BYTES) if view else [0]:
+                first.data = bytes(view[offset : offset + SNAPSHOT_CHUNK_BYTES])
+                await context.write(first)
+                first = pb.SnapshotSessionResponse()
 
     @_mapped
     async def RestoreSession(self, request: AsyncIterator[pb.RestoreSessionRequest],
                              context: grpc.aio.ServicerContext, owner: str) -> pb.RestoreSessionResponse:
-        limit = self.runtime.config.max_snapshot_bytes
-        chunks: list[bytes] = []
-        size, files, messages = 0, [], 0
-        async for message in request:
-            messages += 1
-            if message.file:
-                files.append(message.file)
-            size += len(message.data)
-            if size > limit:
-                raise InvalidRequest(f"RestoreSessionRequest.data carries more than {limit} bytes; allowed up to "
-                                     f"{limit} (--max-snapshot-bytes)", "data")
-            chunks.append(message.data)
-        if files and (messages > 1 or size):
-            raise InvalidRequest("RestoreSessionRequest.file must come alone: one message naming the file, "
-                                 "without data", "file")
-        if not files and not size:
-            raise InvalidRequest("RestoreSession needs the snapshot: its bytes in RestoreSessionRequest.data, "
-                                 "or one message with RestoreSessionRequest.file", "data")
-        restored = await self.transfer.restore(RestoreParams(b"".join(chunks), files[0] if files else "", owner))
+        with self.transfer.slots.hold(owner):  # before a byte is read
+            first = await anext(aiter(request), None)
+            if first is not None and first.file:
+                if first.data or await anext(aiter(request), None) is not None:
+                    raise _file_alone()
+                params = RestoreParams(b"", first.file, owner)
+            else:
+                params = RestoreParams(_data(first, request), "", owner)
+            restored = await self.transfer.restore(params)
         call_record.current().session_id = restored.session_id
         return pb.RestoreSessionResponse(session_id=restored.session_id, history_length=restored.history_length,
                                          state_digest=restored.state_digest, sink_tokens=restored.sink,
@@ -78,3 +71,19 @@ class TransferServicer(RuntimeServicer):
         forked = await self.transfer.fork(self.validate.session_id(request.session_id), owner)
         return pb.ForkSessionResponse(session_id=forked.session_id, history_length=forked.history_length,
                                       state_digest=forked.state_digest)
+
+
+def _file_alone() -> InvalidRequest:
+    return InvalidRequest("RestoreSessionRequest.file must come alone: one message naming the file, without data",
+                          "file")
+
+
+async def _data(first: pb.RestoreSessionRequest | None,
+                rest: AsyncIterator[pb.RestoreSessionRequest]) -> AsyncIterator[bytes]:
+    """The snapshot's bytes from the request stream, message by message (read as the restore takes them)."""
+    message = first
+    while message is not None:
+        if message.file:
+            raise _file_alone()
+        yield message.data
+        message = await anext(aiter(rest), None)

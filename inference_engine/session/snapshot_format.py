@@ -133,6 +133,57 @@ def retained_count(position: int, sink: int, window: int) -> int:
     return min(sink, position) + min(window, max(0, position - sink))
 
 
+@dataclass(frozen=True)
+class SnapshotHead:
+    """What a snapshot's first bytes declare, read before its body arrives (not yet checked by the SHA-256:
+    `decode` checks the whole, and a forged head only decides what is refused or reserved)."""
+
+    fingerprint: Fingerprint  # where it may be restored (sink/window: the slab to reserve)
+    history_length: int  # tokens its log declares
+    total_bytes: int  # the whole snapshot's size as declared: preamble, header, sections and SHA-256
+    identity: PersistedIdentity | None  # set in server-written files only
+
+
+def read_head(prefix: bytes | bytearray | memoryview) -> SnapshotHead | None:
+    """The head of a snapshot from its first bytes, or None while they do not hold the whole header yet.
+
+    Nothing proportional to the declared numbers is built. The version is read here, before the
+    checksum can be: a damaged version word reads as another version (SnapshotIncompatible).
+
+    Raises:
+        SnapshotCorrupt: not a snapshot, a header over MAX_HEADER_BYTES, or a malformed header.
+        SnapshotIncompatible: another format version.
+    """
+    view = memoryview(prefix)
+    if bytes(view[: len(MAGIC)]) != MAGIC[: len(view)]:
+        raise SnapshotCorrupt("not an inference_engine session snapshot (no snapshot header): a foreign or "
+                              "truncated file", "data")
+    if len(view) < _PREAMBLE.size:
+        return None
+    _, version, head_len = _PREAMBLE.unpack_from(view)
+    if version not in READ_VERSIONS:
+        raise SnapshotIncompatible(f"the snapshot has format version {version}; this server reads versions "
+                                   f"{', '.join(map(str, READ_VERSIONS))}")
+    if head_len > MAX_HEADER_BYTES:
+        raise SnapshotCorrupt(f"the snapshot's header length {head_len} is over {MAX_HEADER_BYTES} bytes", "data")
+    if len(view) < _PREAMBLE.size + head_len:
+        return None
+    try:
+        header = json.loads(bytes(view[_PREAMBLE.size : _PREAMBLE.size + head_len]))
+        fp = header["fingerprint"]
+        fingerprint = Fingerprint(_str(fp["model"]), _str(fp["tokenizer"]), _str(fp["kernels"]),
+                                  _int(fp["block_size"]), _bool(fp["exact"]), _int(fp["sink"]), _int(fp["window"]))
+        body = sum(math.prod(_int(n) for n in s["shape"]) * np.dtype(_str(s["dtype"])).itemsize
+                   for s in header["sections"])
+        p = header.get("persisted")
+        identity = None if p is None else PersistedIdentity(_str(p["session_id"]), _str(p["owner"]),
+                                                            _int(p["created_ns"]))
+        n = _int(header["state"]["history_length"])
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:  # json, fields, types
+        raise SnapshotCorrupt(f"the snapshot's header is malformed ({type(exc).__name__}: {exc})", "data") from None
+    return SnapshotHead(fingerprint, n, _PREAMBLE.size + head_len + body + _DIGEST_BYTES, identity)
+
+
 def encode(snapshot: SessionSnapshot) -> bytes:
     """The snapshot's bytes (deterministic: equal states give equal bytes)."""
     f, kv = snapshot.fingerprint, snapshot.kv
@@ -266,8 +317,8 @@ def _chat_log(section: np.ndarray, n: int) -> ChatLog:
     return ChatLog(tuple(turns), reply_from)
 
 
-def check_compatible(snapshot: SessionSnapshot, here: Fingerprint) -> None:
-    """Refuse a snapshot this server would not restore bit for bit.
+def check_compatible(snapshot: SessionSnapshot | SnapshotHead, here: Fingerprint) -> None:
+    """Refuse a snapshot (or, before its body arrives, its head) this server would not restore bit for bit.
 
     Raises:
         SnapshotIncompatible: naming every field that differs.
