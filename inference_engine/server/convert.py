@@ -24,11 +24,11 @@ from inference_engine.v1 import runtime_pb2 as pb
 
 
 def chat_messages(v: Validator, field: str, messages: Sequence[pb.ChatMessage]) -> tuple[ChatMessage, ...]:
-    """Validated chat messages (count, role and content lengths)."""
+    """Validated chat messages (count, role lengths, and their contents' characters together)."""
     v.length(field, len(messages))
     for m in messages:
         v.length("ChatMessage.role", len(m.role), "characters")
-        v.length("ChatMessage.content", len(m.content), "characters")
+    v.length(f"{field}.content", sum(len(m.content) for m in messages), "characters of content together")
     return tuple(ChatMessage(m.role, m.content) for m in messages)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -10,7 +11,6 @@ from inference_engine.decoding.logprobs import MAX_TOP_LOGPROBS
 from inference_engine.errors import InvalidRequest
 from inference_engine.runtime.types import DecodeMode
 
-MAX_TEXT_CHARS = 1 << 20  # characters of one text, message content or Tokenize input
 MAX_MESSAGES = 256  # messages in one request
 MAX_STOP_STRINGS = 8  # stop strings in one Generate
 MAX_CHOICES = 8  # `n` of one OpenAI-compatible request (each choice holds a session while it runs)
@@ -24,10 +24,18 @@ class Bound:
     low: int | float
     high: int | float
     zero: str = ""  # what 0 means where it is admitted outside the range ("" = not admitted)
+    flag: str = ""  # the server flag that sets the bound, named in the message ("" = a fixed bound)
 
 
 def bounds_table(cfg: ServerConfig, vocab_size: int) -> dict[str, Bound]:
-    """Every bounded request field, by `Message.field` name."""
+    """Every bounded request field, by `Message.field` name.
+
+    Text is bounded in characters before it is tokenized (--max-text-chars): a text, or a
+    conversation's contents together (`*.messages.content#`), so no request makes the tokenizer or
+    the chat template run for long.
+    """
+    text = Bound(1, cfg.max_text_chars, flag="--max-text-chars")
+    contents = Bound(0, cfg.max_text_chars, flag="--max-text-chars")
     return {
         "CreateSessionRequest.sink_tokens": Bound(1, cfg.max_sink, DEFAULT),
         "CreateSessionRequest.window_tokens": Bound(1, cfg.max_window, DEFAULT),
@@ -35,11 +43,11 @@ def bounds_table(cfg: ServerConfig, vocab_size: int) -> dict[str, Bound]:
         "CreateSessionRequest.eos_token_ids#": Bound(0, 64),
         "CreateSessionRequest.client_label#": Bound(0, 256),
         "AppendTokensRequest.tokens[]": Bound(0, vocab_size - 1),
-        "AppendTokensRequest.tokens#": Bound(1, cfg.max_tokens_per_request),
-        "AppendTokensRequest.text#": Bound(1, MAX_TEXT_CHARS),
+        "AppendTokensRequest.tokens#": Bound(1, cfg.max_tokens_per_request, flag="--max-tokens-per-request"),
+        "AppendTokensRequest.text#": text,
         "AppendTokensRequest.messages#": Bound(1, MAX_MESSAGES),
+        "AppendTokensRequest.messages.content#": contents,
         "ChatMessage.role#": Bound(1, 64),
-        "ChatMessage.content#": Bound(0, MAX_TEXT_CHARS),
         "GenerateRequest.max_new_tokens": Bound(1, cfg.max_new_tokens, DEFAULT),
         "GenerateRequest.num_draft_tokens": Bound(1, cfg.max_rollback, DEFAULT),
         "GenerateRequest.mode": Bound(min(m.value for m in DecodeMode), max(m.value for m in DecodeMode)),
@@ -53,8 +61,9 @@ def bounds_table(cfg: ServerConfig, vocab_size: int) -> dict[str, Bound]:
         "GenerateRequest.eos_token_ids#": Bound(0, 64),
         "GenerateRequest.eos_token_ids[]": Bound(0, vocab_size - 1),
         "GenerateRequest.top_logprobs": Bound(1, MAX_TOP_LOGPROBS, "no alternatives"),
-        "TokenizeRequest.text#": Bound(0, MAX_TEXT_CHARS),
+        "TokenizeRequest.text#": dataclasses.replace(text, low=0),
         "TokenizeRequest.messages#": Bound(0, MAX_MESSAGES),
+        "TokenizeRequest.messages.content#": contents,
         "DetokenizeRequest.tokens#": Bound(0, 1 << 16),
         "DetokenizeRequest.tokens[]": Bound(0, vocab_size - 1),
         "*.session_id#": Bound(1, 128),
@@ -110,7 +119,8 @@ class Validator:
         Raises InvalidRequest."""
         b = self.table[field + "#"]
         if not b.low <= n <= b.high:
-            raise InvalidRequest(f"{field.removeprefix('*.')} has {n} {unit}; allowed {b.low}..{b.high}",
+            flag = f" ({b.flag})" if b.flag else ""
+            raise InvalidRequest(f"{field.removeprefix('*.')} has {n} {unit}; allowed {b.low}..{b.high}{flag}",
                                  field_path(field))
 
     def items(self, field: str, values: list[int]) -> tuple[int, ...]:

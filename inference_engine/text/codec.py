@@ -4,6 +4,11 @@ Everything goes through the tokenizer the model was loaded with (`LoadedModel.to
 a transformers tokenizer over a `tokenizers.Tokenizer`): encoding and decoding use the
 `tokenizers` backend, the same one `tokenizers.decoders.DecodeStream` streams with, so
 streamed text and Detokenize agree; the chat template is the tokenizer's own (jinja).
+
+Encoding and decoding go through the batch entry points with a batch of one: `encode` and
+`decode` of the `tokenizers` bindings hold the GIL for the whole call (a 1 Mi-character text
+froze every other session's stream for 2 s), `encode_batch` and `decode_batch` release it
+while the Rust code runs, so the engine thread keeps its time (same ids, same text).
 """
 
 from __future__ import annotations
@@ -50,11 +55,13 @@ class TextCodec:
         Args:
             add_special_tokens: also add what the tokenizer adds around a sequence (e.g. a BOS).
         """
-        return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+        (encoding,) = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)  # GIL released
+        return list(encoding.ids)
 
     def decode(self, tokens: Sequence[int], skip_special_tokens: bool = False) -> str:
         """Text of `tokens` (special tokens as their text unless skipped)."""
-        return self.backend.decode(list(tokens), skip_special_tokens=skip_special_tokens)
+        (text,) = self.backend.decode_batch([list(tokens)], skip_special_tokens=skip_special_tokens)  # GIL released
+        return text
 
     def render(self, messages: Sequence[ChatMessage], add_generation_prompt: bool) -> str:
         """The chat template applied to `messages`, as text.
