@@ -75,6 +75,15 @@ REPLY_REUSE = Counter(
     "history (reused) or not (retokenized: the template renders the reply to other tokens)", ("outcome",),
     registry=REGISTRY,
 )
+PERSIST_FAILURES = Counter(
+    "inference_engine_persist_failures", "--persist-sessions: session writes that failed (disk full, folder gone)",
+    registry=REGISTRY,
+)
+PERSIST_UNWRITTEN = Gauge(
+    "inference_engine_persist_unwritten_sessions",
+    "--persist-sessions: live sessions whose latest state could not be written (their files set aside as stale)",
+    registry=REGISTRY,
+)
 
 
 def track_pool(slabs_in_use: Callable[[], int], slots: int, bytes_in_use: Callable[[], int]) -> None:

@@ -178,10 +178,13 @@ async def test_failed_writes_are_logged_and_retried(engine, tmp_path, caplog, mo
         monkeypatch.setattr(persistence_module, "write_atomic", disk_full)
         await stub.AppendTokens(pb.AppendTokensRequest(session_id=sid, tokens=PROMPT[:4]))
         await _settled(p)
-        assert "could not be written" in caplog.text and p._unwritten[sid] == 1 and _history(p.path(sid)) == 0
+        stale = p.path(sid).with_name(p.path(sid).name + persistence_module.STALE)
+        assert "could not be written" in caplog.text and p._unwritten[sid] == 1 and _history(stale) == 0
+        assert not p.path(sid).exists()  # set aside: never restored as if current
         assert await p.close() == 0 and "could not be written at shutdown" in caplog.text
         monkeypatch.undo()
         assert await p.close() == 1 and _history(p.path(sid)) == 4  # retried: nothing lost
+        assert not stale.exists()
         assert await open_persistence(SessionTransfer(served.runtime), None, 1, 0) is None
 
 

@@ -18,6 +18,14 @@ Policy (README: "Persistence"):
   logged, never half restored; files beyond `--max-sessions` or `--max-kv-bytes` stay for a later start.
 - The folder is created 0700 and checked writable at start-up (a folder that is not one, or cannot
   be written, stops the server there rather than losing every session at shutdown); files are 0600.
+- A file never passes for a state it does not hold. When a session's latest state cannot be
+  written (disk full, folder gone), its older file is renamed `*.iesnap.stale` at once (a
+  rename needs no free space) and the write is retried at the next call or tick; a write that
+  succeeds replaces it. At start-up a `*.stale` file is not restored: it is logged (WARNING,
+  the session's short hash) and removed, so a full disk loses a session rather than silently
+  rolling it back. Failures count in `inference_engine_persist_failures_total`; sessions not
+  on disk show in `inference_engine_persist_unwritten_sessions` and as NOT_SERVING of the
+  health service `inference_engine.persistence`.
 """
 
 from __future__ import annotations
@@ -27,7 +35,9 @@ import contextlib
 import logging
 import time
 from pathlib import Path
+from typing import Callable
 
+from inference_engine import metrics
 from inference_engine.config import prepare_private_folder
 from inference_engine.errors import PoolExhausted, RuntimeServiceError
 from inference_engine.runtime.session_transfer import SessionTransfer
@@ -38,6 +48,7 @@ from inference_engine.short_id import short_id
 
 log = logging.getLogger(__name__)
 PREFIX = "session-"
+STALE = ".stale"  # appended to the file of a session whose latest state could not be written
 
 
 class SessionPersistence:
@@ -61,6 +72,9 @@ class SessionPersistence:
         self._queued: set[str] = set()  # sessions with a write scheduled but not started
         self._tasks: set[asyncio.Task] = set()
         self._ticker: asyncio.Task | None = None
+        self._stale: set[str] = set()  # sessions whose latest write failed (their file set aside)
+        self.on_durability: Callable[[bool], None] | None = None  # told when "every session is on disk" changes
+        metrics.PERSIST_UNWRITTEN.set_function(lambda: len(self._stale))
 
     def path(self, session_id: str) -> Path:
         """The file of a session."""
@@ -78,6 +92,11 @@ class SessionPersistence:
         prepare_private_folder(self.folder)  # fail now, not at every write (and lose every session at shutdown)
         if removed := remove_temporaries(self.folder):
             log.warning("removed %d partial session file(s) left by an interrupted write", removed)
+        for path in sorted(self.folder.glob(f"{PREFIX}*{SUFFIX}{STALE}")):
+            path.unlink()
+            log.warning("session %s not restored: its latest state could not be written before the server stopped "
+                        "(its older file, %s, was set aside and is now removed)", path.name[len(PREFIX):].split(".")[0],
+                        path.name)
         restored = 0
         for path in sorted(self.folder.glob(f"{PREFIX}*{SUFFIX}"), key=lambda p: p.stat().st_mtime):
             try:
@@ -154,8 +173,7 @@ class SessionPersistence:
                 await self.save(session)
             except Exception as exc:  # noqa: BLE001 - retried at the next call or tick; serving goes on
                 if not session.is_closed:  # closed meanwhile: there is nothing left to write
-                    log.warning("session %s could not be written (%s: %s); retrying later", session.tag,
-                                type(exc).__name__, exc)
+                    self._failed(session, exc, "retrying later")
                 return
             if sid in self._unwritten:
                 self._unwritten[sid] = max(0, self._unwritten[sid] - pending)
@@ -170,16 +188,48 @@ class SessionPersistence:
         snap = await self.transfer.capture(session, identity)
         data = await asyncio.to_thread(encode, snap)
         if not session.is_closed:  # closed meanwhile: its file must not come back
-            await asyncio.to_thread(write_atomic, self.path(session.session_id), data)
+            path = self.path(session.session_id)
+            await asyncio.to_thread(write_atomic, path, data)
             log.debug("session %s written (%d tokens, %d bytes)", session.tag, snap.history_length, len(data))
+            if session.session_id in self._stale:  # current again: the set-aside file goes
+                self._stale.discard(session.session_id)
+                await asyncio.to_thread(_remove, _stale_path(path))
+                log.info("session %s written again after failed writes", session.tag)
+                self._tell_durability()
+
+    def _failed(self, session: Session, exc: Exception, then: str) -> None:
+        """A write of `session` failed: its older file is set aside (renamed *.stale) now, so neither a
+        restart nor a crash brings it back as if it were current."""
+        metrics.PERSIST_FAILURES.inc()
+        path = self.path(session.session_id)
+        try:
+            if path.exists():
+                path.replace(_stale_path(path))  # a rename: no free space needed
+        except OSError as rename_error:
+            try:
+                path.unlink()
+            except OSError:
+                log.error("session %s: its file %s could be neither set aside nor removed (%s)", session.tag,
+                          path.name, rename_error)
+        log.warning("session %s could not be written (%s: %s); its older file is set aside as stale; %s",
+                    session.tag, type(exc).__name__, exc, then)
+        if session.session_id not in self._stale:
+            self._stale.add(session.session_id)
+            self._tell_durability()
+
+    def _tell_durability(self) -> None:
+        if self.on_durability is not None:
+            self.on_durability(not self._stale)
 
     async def _delete(self, session_id: str) -> None:
         async with self._lock(session_id):
             path = self.path(session_id)
-            if path.exists():
-                path.unlink()
+            if any([_remove(path), _remove(_stale_path(path))]):
                 await asyncio.to_thread(fsync_dir, self.folder)
         self._locks.pop(session_id, None)
+        if session_id in self._stale:
+            self._stale.discard(session_id)
+            self._tell_durability()
 
     # -- shutdown -----------------------------------------------------------------------
 
@@ -202,10 +252,24 @@ class SessionPersistence:
                     await self.save(session)
                 written += 1
             except Exception as exc:  # noqa: BLE001 - the others are still written
+                self._failed(session, exc, "it will not be restored")
                 log.error("session %s could not be written at shutdown (%s: %s)", session.tag, type(exc).__name__,
                           exc)
         log.info("wrote %d live session(s) to %s", written, self.folder)
         return written
+
+
+def _stale_path(path: Path) -> Path:
+    return path.with_name(path.name + STALE)
+
+
+def _remove(path: Path) -> bool:
+    """Delete `path` if it exists; whether it did."""
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        return False
+    return True
 
 
 async def open_persistence(transfer: SessionTransfer, folder: Path | None, every_calls: int,

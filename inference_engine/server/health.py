@@ -3,6 +3,10 @@
 A small servicer over grpcio-health-checking's protocol rather than its stock one: the
 stock Watch stream never ends, so each watcher would hold the shutdown for the whole
 grace period. Here a drain sends NOT_SERVING to every watcher and ends its stream.
+
+Service PERSISTENCE reports `--persist-sessions`: SERVING while every live session's latest
+state is on disk (or nothing is persisted), NOT_SERVING while one could not be written (disk
+full): the server still serves, but a restart now would lose those sessions.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from inference_engine.v1 import runtime_pb2
 
 RUNTIME_SERVICE = runtime_pb2.DESCRIPTOR.services_by_name["RuntimeService"].full_name
-SERVICE_NAMES = ("", RUNTIME_SERVICE)  # "" is the server as a whole
+PERSISTENCE = "inference_engine.persistence"  # NOT_SERVING while a session's latest state is not on disk
+SERVICE_NAMES = ("", RUNTIME_SERVICE, PERSISTENCE)  # "" is the server as a whole
 Status = health_pb2.HealthCheckResponse.ServingStatus
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 SERVICE_UNKNOWN = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
@@ -42,6 +47,15 @@ class HealthReporter(health_pb2_grpc.HealthServicer):
     async def set_serving(self, is_serving: bool) -> None:
         """SERVING or NOT_SERVING for every service name (ignored once draining)."""
         await self._update(SERVING if is_serving else NOT_SERVING)
+
+    async def set_durable(self, is_durable: bool) -> None:
+        """PERSISTENCE: SERVING when every session's latest state is on disk (ignored unless serving)."""
+        async with self._changed:
+            if self._is_draining or self._status.get("") != SERVING or PERSISTENCE not in self._status:
+                return
+            self._status[PERSISTENCE] = SERVING if is_durable else NOT_SERVING
+            self._version += 1
+            self._changed.notify_all()
 
     async def drain(self) -> None:
         """NOT_SERVING for good (the server is shutting down); open Watch streams end."""

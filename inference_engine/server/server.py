@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Callable
 
 import grpc
 import mlx.core as mx
@@ -214,6 +215,18 @@ async def _done_before(task: asyncio.Future, stop: asyncio.Event) -> bool:
     return task.done()
 
 
+def _health_follows(frontend: Frontend) -> Callable[[bool], None]:
+    """What persistence calls when "every session is on disk" changes: the PERSISTENCE health status."""
+    pending: set[asyncio.Task] = set()  # referenced until done
+
+    def tell(is_durable: bool) -> None:
+        task = asyncio.get_running_loop().create_task(frontend.health.set_durable(is_durable))
+        pending.add(task)
+        task.add_done_callback(pending.discard)
+
+    return tell
+
+
 async def _serve_engine(cfg: ServerConfig, engine: Engine, frontend: Frontend, stop: asyncio.Event,
                         http: HttpFrontend | None = None) -> None:
     route = supervisor = None
@@ -232,6 +245,8 @@ async def _serve_engine(cfg: ServerConfig, engine: Engine, frontend: Frontend, s
         runtime = Runtime(engine, cfg)
         persistence = await open_persistence(SessionTransfer(runtime), cfg.persist_dir, cfg.persist_every,
                                              cfg.persist_interval_s)  # --persist-sessions: restored before SERVING
+        if persistence is not None:
+            persistence.on_durability = _health_follows(frontend)
         freeze_startup_objects()  # before SERVING: a full collection would stall every stream
         await frontend.attach(runtime)
         if http is not None:
