@@ -10,14 +10,13 @@ back to fp32 if it differs.
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
 
+from inference_engine.malloc_trim import trim_free_memory
 from inference_engine.model.loader import LoadedModel, load_block_model, load_gguf_model, load_model
 from inference_engine.model.packaged import DEFAULT_MODEL, packaged_gguf_path, resolve_model_path
 from inference_engine.quant_kernel import enable_native_kernels, load_quant_kernel
@@ -98,8 +97,4 @@ def release_start_up_memory() -> None:
     """Give the OS back what start-up freed (conversions, probe temporaries): MLX's buffer cache, then
     glibc's free lists (malloc_trim; tens of MB that would otherwise count as the idle server's RSS)."""
     mx.clear_cache()
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(None).malloc_trim(0)
-        except AttributeError:  # pragma: no cover - a libc without malloc_trim (musl)
-            pass
+    trim_free_memory()

@@ -38,6 +38,7 @@ from inference_engine.session.session_store import SessionStore
 from inference_engine.short_id import short_id
 from inference_engine.text.chat import resolve_input
 from inference_engine.text.codec import require, text_codec
+from inference_engine.text.text_pool import run_text
 from inference_engine.verifier.sink_window_verifier import SinkWindowVerifier
 
 log = logging.getLogger(__name__)
@@ -163,7 +164,7 @@ class Runtime:
                 )
             tokens, chat = list(p.tokens), session.chat
             if p.text is not None:  # text or chat messages become tokens once the session is held
-                r = await asyncio.to_thread(resolve_input, require(self.text), chat, session.history, p.text,
+                r = await run_text(resolve_input, require(self.text), chat, session.history, p.text,
                                             session.eos_token_ids, self.config.max_tokens_per_request)
                 tokens, chat = list(r.tokens), r.chat
             job = AppendJob(session, tokens, asyncio.get_running_loop())

@@ -37,7 +37,13 @@ from pathlib import Path
 from typing import Any
 
 from inference_engine.blas import active_blas
-from inference_engine.errors import InvalidRequest, InvariantViolation, SnapshotCorrupt, SnapshotIncompatible
+from inference_engine.errors import (
+    InvalidRequest,
+    InvariantViolation,
+    RuntimeServiceError,
+    SnapshotCorrupt,
+    SnapshotIncompatible,
+)
 from inference_engine.model.loader import model_fingerprint
 from inference_engine.runtime.runtime import Runtime
 from inference_engine.runtime.snapshot_files import SUFFIX, open_snapshot, write_atomic
@@ -185,6 +191,16 @@ class SessionTransfer:
         self.runtime.check_serving()
         self.store.reserve()  # fail fast before reading anything
         intake = SnapshotIntake(self.config.max_snapshot_bytes)
+        try:
+            session, snap = await self._take(intake, p)
+        finally:
+            intake.release()  # a failed call's traceback keeps this frame, never the buffer
+        log.info("session %s restored from a snapshot by %s (%d tokens)", session.tag, short_id(p.owner),
+                 snap.history_length)
+        return self._restored(session, snap)
+
+    async def _take(self, intake: SnapshotIntake, p: RestoreParams) -> tuple[Session, SessionSnapshot]:
+        """Read, check and install the snapshot of `p` through `intake` (see `restore`)."""
         source = self._file_chunks(p.file) if p.file else _chunks(p.data)
         async with contextlib.aclosing(source), contextlib.AsyncExitStack() as reserved:
             async for chunk in source:
@@ -193,14 +209,16 @@ class SessionTransfer:
                     self._check_head(head, p)
                     f = head.fingerprint
                     reserved.enter_context(self.store.reservation(self.engine.slab_bytes(f.sink, f.window)))
-            snap = await asyncio.to_thread(decode, intake.finish())
-            del intake  # the buffer: its arrays now belong to `snap`
+            try:
+                snap = await asyncio.to_thread(decode, intake.finish())
+            except RuntimeServiceError as exc:
+                # Without the frames below this one: to_thread's and decode's hold the buffer, and an error's
+                # traceback lives on in a reference cycle until a full collection (RSS kept +1 buffer per call).
+                raise exc.with_traceback(None)
+            intake.release()  # the arrays of `snap` keep what they use
             self._check_owner(snap.identity, p)
             self.check_fits(snap)
-            session = await self._install(snap, self.store.new_id(), p.owner)
-        log.info("session %s restored from a snapshot by %s (%d tokens)", session.tag, short_id(p.owner),
-                 snap.history_length)
-        return self._restored(session, snap)
+            return await self._install(snap, self.store.new_id(), p.owner), snap
 
     def _check_head(self, head: SnapshotHead, p: RestoreParams) -> None:
         """What the head alone decides: the owner of a file, the fingerprint, sink and window.

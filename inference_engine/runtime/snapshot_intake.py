@@ -71,6 +71,10 @@ class SnapshotIntake:
         assert self._buffer is not None
         return memoryview(self._buffer)
 
+    def release(self) -> None:
+        """Drop the buffer (what `finish` returned keeps it while referenced)."""
+        self._buffer, self._prefix = None, bytearray()
+
     def _write(self, chunk: bytes) -> None:
         head = self.head
         assert head is not None

@@ -7,7 +7,6 @@ still loading) every call is UNAVAILABLE.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import functools
 import logging
@@ -26,6 +25,7 @@ from inference_engine.server.model_info import describe_model
 from inference_engine.server.validation import Validator
 from inference_engine.text.chat import ChatInput
 from inference_engine.text.codec import require
+from inference_engine.text.text_pool import run_text
 from inference_engine.v1 import runtime_pb2 as pb
 from inference_engine.v1 import runtime_pb2_grpc as pb_grpc
 
@@ -159,7 +159,7 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
                 return codec.encode(text), text
             return codec.encode(what.text, request.add_special_tokens), what.text
 
-        tokens, text = await asyncio.to_thread(tokenize)
+        tokens, text = await run_text(tokenize)  # a text thread, below the engine's priority
         return pb.TokenizeResponse(tokens=tokens, text=text)
 
     @_mapped
@@ -167,5 +167,5 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
                          owner: str) -> pb.DetokenizeResponse:
         tokens = self.validate.items("DetokenizeRequest.tokens", list(request.tokens))
         codec = require(self.runtime.text)
-        text = await asyncio.to_thread(codec.decode, tokens, request.skip_special_tokens)
+        text = await run_text(codec.decode, tokens, request.skip_special_tokens)
         return pb.DetokenizeResponse(text=text)

@@ -10,11 +10,14 @@ the restore takes them (its head checked and its slab reserved before the body).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from typing import AsyncIterator
 
 import grpc
 
 from inference_engine.errors import InvalidRequest
+from inference_engine.malloc_trim import trim_free_memory
 from inference_engine.runtime.runtime import Runtime
 from inference_engine.runtime.session_transfer import RestoreParams, SessionTransfer, SnapshotParams
 from inference_engine.server import call_record
@@ -22,6 +25,7 @@ from inference_engine.server.servicer import RuntimeServicer, _mapped
 from inference_engine.v1 import runtime_pb2 as pb
 
 SNAPSHOT_CHUNK_BYTES = 1 << 20  # bytes per SnapshotSessionResponse.data
+TRIM_DELAY_S = 0.5  # after the last transfer ends, the heap is trimmed this much later
 
 
 class TransferServicer(RuntimeServicer):
@@ -30,14 +34,31 @@ class TransferServicer(RuntimeServicer):
     def attach(self, runtime: Runtime) -> None:
         """Start serving calls with `runtime` (and its session transfers)."""
         self.transfer = SessionTransfer(runtime)
+        self._trimming: asyncio.Future | None = None  # a malloc_trim running
         super().attach(runtime)
+
+    @contextlib.asynccontextmanager
+    async def _slot(self, owner: str) -> AsyncIterator[None]:
+        """A transfer slot for the call (TooManyTransfers when none is free); once the last transfer ends,
+        the heap memory its messages and buffers used goes back to the system."""
+        try:
+            with self.transfer.slots.hold(owner):
+                yield
+        finally:
+            if not self.transfer.slots.open:  # once grpc has let go of the call's messages too
+                asyncio.get_running_loop().call_later(TRIM_DELAY_S, self._trim)
+
+    def _trim(self) -> None:
+        if not self.transfer.slots.open and self._trimming is None:
+            self._trimming = asyncio.ensure_future(asyncio.to_thread(trim_free_memory))
+            self._trimming.add_done_callback(lambda _: setattr(self, "_trimming", None))
 
     @_mapped
     async def SnapshotSession(self, request: pb.SnapshotSessionRequest, context: grpc.aio.ServicerContext,
                               owner: str) -> None:
         call_record.current().session_id = request.session_id
         params = SnapshotParams(self.validate.session_id(request.session_id), request.to_dir, owner)
-        with self.transfer.slots.hold(owner):  # the snapshot's bytes stay in memory until the client read them
+        async with self._slot(owner):  # the snapshot's bytes stay in memory until the client read them
             taken = await self.transfer.snapshot(params)
             first = pb.SnapshotSessionResponse(file=taken.file, snapshot_bytes=taken.size,
                                                history_length=taken.history_length, state_digest=taken.state_digest)
@@ -50,7 +71,7 @@ class TransferServicer(RuntimeServicer):
     @_mapped
     async def RestoreSession(self, request: AsyncIterator[pb.RestoreSessionRequest],
                              context: grpc.aio.ServicerContext, owner: str) -> pb.RestoreSessionResponse:
-        with self.transfer.slots.hold(owner):  # before a byte is read
+        async with self._slot(owner):  # before a byte is read
             first = await anext(aiter(request), None)
             if first is not None and first.file:
                 if first.data or await anext(aiter(request), None) is not None:

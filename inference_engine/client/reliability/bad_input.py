@@ -29,7 +29,7 @@ from inference_engine.v1 import runtime_pb2_grpc as pb_grpc
 
 SERVICE = "/inference_engine.v1.RuntimeService/"
 U32_MAX = (1 << 32) - 1
-MAX_TEXT_CHARS = 1 << 20  # characters of one text, message content or Tokenize input
+MAX_TEXT_CHARS = 65536  # characters of text in one request (the default --max-text-chars)
 MAX_MESSAGES = 256  # messages in one request
 MAX_LABEL = 256  # CreateSessionRequest.client_label characters
 MAX_EOS_IDS = 64  # eos_token_ids of a session or a call
@@ -110,7 +110,7 @@ def _request_cases(lim: Limits, victim: str, fresh: str) -> list[BadCase]:
                 field="tokens"),
         BadCase("add_generation_prompt without messages", "AppendTokens",
                 ap(session_id=victim, tokens=[1], add_generation_prompt=True), IA),
-        BadCase("text over 2^20 characters", "AppendTokens", ap(session_id=victim, text="x" * (MAX_TEXT_CHARS + 1)), IA,
+        BadCase("text over --max-text-chars characters", "AppendTokens", ap(session_id=victim, text="x" * (MAX_TEXT_CHARS + 1)), IA,
                 field="text"),
         BadCase("a message with an empty role", "AppendTokens", ap(session_id=victim, messages=[msg(role="", content="x")]),
                 IA, field="role"),
@@ -118,8 +118,9 @@ def _request_cases(lim: Limits, victim: str, fresh: str) -> list[BadCase]:
                 ap(session_id=victim, messages=[msg(role="r" * (MAX_ROLE + 1), content="x")]), IA, field="role"),
         BadCase("257 messages", "AppendTokens",
                 ap(session_id=victim, messages=[msg(role="user", content="x")] * (MAX_MESSAGES + 1)), IA, field="messages"),
-        BadCase("message content over 2^20 characters", "AppendTokens",
-                ap(session_id=victim, messages=[msg(role="user", content="x" * (MAX_TEXT_CHARS + 1))]), IA, field="content"),
+        BadCase("messages content over --max-text-chars characters", "AppendTokens",
+                ap(session_id=victim, messages=[msg(role="user", content="x" * (MAX_TEXT_CHARS + 1))]), IA,
+                field="messages.content"),
         BadCase("expected_history_length off by one", "AppendTokens",
                 ap(session_id=victim, tokens=[1], expected_history_length=len(PROMPT) + 1), FP, "FAILED_PRECONDITION"),
         BadCase("expected_history_length = 2^64-1", "AppendTokens",
@@ -152,7 +153,7 @@ def _request_cases(lim: Limits, victim: str, fresh: str) -> list[BadCase]:
                 pb.TokenizeRequest(messages=[msg(role="user")], add_special_tokens=True), IA),
         BadCase("Tokenize add_generation_prompt with text", "Tokenize",
                 pb.TokenizeRequest(text="x", add_generation_prompt=True), IA),
-        BadCase("Tokenize text over 2^20 characters", "Tokenize", pb.TokenizeRequest(text="x" * (MAX_TEXT_CHARS + 1)), IA,
+        BadCase("Tokenize text over --max-text-chars characters", "Tokenize", pb.TokenizeRequest(text="x" * (MAX_TEXT_CHARS + 1)), IA,
                 field="text"),
         BadCase("Tokenize 257 messages", "Tokenize",
                 pb.TokenizeRequest(messages=[msg(role="user")] * (MAX_MESSAGES + 1)), IA, field="messages"),

@@ -1,11 +1,12 @@
 """The whole battery in one run: its two sizes, the servers it starts, the sections, the JSON.
 
-The sections that need no process control (bad input, cancels, fuzz, traffic) run against
-one spawned `serve`; the traffic section reads that process's RSS, and the shutdown section
-ends it with SIGTERM. The security section starts two more servers (TLS with bearer tokens;
-mTLS) and checks that a public bind without them is refused. The rogue-worker section starts
-a `--spawn-shards` server and a `--shards` control of its own. A section that raises is a
-failed section, never a lost run.
+The sections that need no process control (bad input, cancels, fuzz, traffic, hostile
+restores, text stall) run against one spawned `serve`; the traffic and hostile-restore
+sections read that process's RSS, and the shutdown section ends it with SIGTERM. The
+security section starts two more servers (TLS with bearer tokens; mTLS) and checks that a
+public bind without them is refused. The rogue-worker section starts a `--spawn-shards`
+server and a `--shards` control of its own; the full-disk section starts its own (twice) on
+a tmpfs. A section that raises is a failed section, never a lost run.
 """
 
 from __future__ import annotations
@@ -22,16 +23,20 @@ from typing import Awaitable, Sequence
 
 from inference_engine.client.reliability.bad_input import run_bad_input
 from inference_engine.client.reliability.cancels import CancelPlan, run_cancels
+from inference_engine.client.reliability.full_disk import DiskPlan, run_full_disk
 from inference_engine.client.reliability.fuzz import FuzzPlan, run_fuzz
+from inference_engine.client.reliability.hostile_restores import MIB, RestorePlan, run_hostile_restores
 from inference_engine.client.reliability.report import SectionReport, battery_json
 from inference_engine.client.reliability.rogue_worker import run_rogue_worker
 from inference_engine.client.reliability.security_checks import SecuredTargets, run_security
 from inference_engine.client.reliability.server_process import ServerProcess, exposure_refused
 from inference_engine.client.reliability.shutdown import run_shutdown
+from inference_engine.client.reliability.text_stall import StallPlan, run_text_stall
 from inference_engine.client.reliability.traffic import TrafficPlan, run_traffic
 from inference_engine.security.credentials import open_channel
 
-SECTIONS = ("bad_input", "cancels", "fuzz", "traffic", "shutdown", "security", "rogue_worker")
+SECTIONS = ("bad_input", "cancels", "fuzz", "traffic", "hostile_restores", "text_stall", "shutdown", "security",
+            "rogue_worker", "full_disk")
 
 
 @dataclass(frozen=True)
@@ -44,10 +49,15 @@ class BatteryPlan:
     fuzz: FuzzPlan
     grace_s: float  # --grace of the spawned server (the shutdown section outlives it)
     max_sessions: int  # --max-sessions of the spawned server
+    restores: RestorePlan = RestorePlan()  # hostile uploads (issue 28)
+    stall: StallPlan = StallPlan()  # a stream beside maximal Tokenize calls (issue 28)
+    disk: DiskPlan = DiskPlan()  # persistence on a disk that fills (issue 28)
 
 
 QUICK = BatteryPlan("quick", CancelPlan(trials=24, clients=3), TrafficPlan(clients=4, calls=6),
-                    FuzzPlan(examples=20), grace_s=2.0, max_sessions=16)
+                    FuzzPlan(examples=20), grace_s=2.0, max_sessions=16,
+                    restores=RestorePlan(upload_bytes=64 * MIB), stall=StallPlan(new_tokens=128),
+                    disk=DiskPlan(sessions=3, appends=2))
 FULL = BatteryPlan("full", CancelPlan(trials=100, clients=4), TrafficPlan(clients=8, calls=12),
                    FuzzPlan(examples=150), grace_s=3.0, max_sessions=16)
 
@@ -92,6 +102,10 @@ async def run_on_server(server: ServerProcess, plan: BatteryPlan, sections: Sequ
             out.append(await guarded("fuzz", asyncio.to_thread(run_fuzz, server.target, plan.fuzz)))
         if "traffic" in sections:
             out.append(await guarded("traffic", run_traffic(channel, server.rss, plan.traffic)))
+        if "hostile_restores" in sections:
+            out.append(await guarded("hostile_restores", run_hostile_restores(channel, server.rss, plan.restores)))
+        if "text_stall" in sections:
+            out.append(await guarded("text_stall", run_text_stall(channel, server.target, plan.stall)))
     finally:
         await channel.close()
     if "shutdown" in sections:
@@ -137,7 +151,7 @@ async def run_battery(plan: BatteryPlan, model: str | None, workdir: Path, secti
     flags = serve_flags(plan, model, extra_flags)
     reports: list[SectionReport] = []
     server_info: dict = {"flags": flags}
-    if set(sections) - {"security", "rogue_worker"}:
+    if set(sections) - {"security", "rogue_worker", "full_disk"}:
         snapshots = ["--snapshot-dir", str(workdir / "snapshots")]  # SnapshotSession to_dir, RestoreSession file
         server = await ServerProcess.start([*flags, *snapshots], workdir / "server.log")
         server_info.update(target=server.target, pid=server.pid, rss_mib_at_start=round(server.rss() / (1 << 20), 1))
@@ -149,6 +163,8 @@ async def run_battery(plan: BatteryPlan, model: str | None, workdir: Path, secti
         reports.append(await guarded("security", run_security_spawned(flags, pki, workdir)))
     if "rogue_worker" in sections:
         reports.append(await guarded("rogue_worker", run_rogue_worker(flags, model, workdir)))
+    if "full_disk" in sections:
+        reports.append(await guarded("full_disk", run_full_disk(flags, workdir, plan.disk)))
     meta = {
         "battery": "issue 15 reliability", "plan": dataclasses.asdict(plan), "model": model or "packaged default",
         "server": server_info, "host": platform.node(), "platform": platform.platform(), "python": sys.version.split()[0],
