@@ -24,7 +24,6 @@ from inference_engine.blas import active_blas
 from inference_engine.config import ServerConfig
 from inference_engine.errors import RuntimeServiceError
 from inference_engine.gc_freeze import freeze_startup_objects
-from inference_engine.malloc_trim import fix_mmap_threshold
 from inference_engine.model.gguf_blocks import has_blocks
 from inference_engine.model.loader import LoadedModel, load_model, model_fingerprint
 from inference_engine.model.packaged import DRAFT_MODEL, resolve_model_path
@@ -175,7 +174,6 @@ async def serve(cfg: ServerConfig) -> None:
     and there is nothing to drain yet.
     """
     stop = stop_event()  # from the very start: the default action would kill the process mid-load (143)
-    fix_mmap_threshold()  # large transient buffers (uploads) go back to the system when freed
     frontend = await open_frontend(cfg, cfg.host, cfg.port)
     endpoint = http = None
     try:
