@@ -82,7 +82,7 @@ def bounds_table(cfg: ServerConfig, vocab_size: int) -> dict[str, Bound]:
         "body.prompt#": Bound(1, cfg.max_tokens_per_request),  # tokens, the prompt's or the rendered messages'
         "body.prompt[]": Bound(0, vocab_size - 1),
         "body.messages#": Bound(1, MAX_MESSAGES),
-        "body.content#": Bound(0, MAX_TEXT_CHARS),
+        "body.content#": contents,
         "body.user#": Bound(0, 256),
     }
 
