@@ -27,6 +27,7 @@ from inference_engine.server.openai_api.prefix_cache import PrefixCache, common_
 from inference_engine.server.validation import Validator
 from inference_engine.text.chat import ChatInput, TextInput
 from inference_engine.text.codec import ChatMessage, require
+from inference_engine.text.text_pool import run_text
 
 log = logging.getLogger(__name__)
 CLIENT_LABEL = "openai-http"  # the label of the sessions this API creates
@@ -84,7 +85,7 @@ class CompletionService:
                 assert isinstance(prompt, TextInput)
                 return codec.encode(prompt.text)
 
-            tokens = tuple(await asyncio.to_thread(encode))
+            tokens = tuple(await run_text(encode))  # a text thread, below the engine's priority
         self.validate.length("body.prompt", len(tokens), "tokens")
         return tokens
 
@@ -182,7 +183,7 @@ class CompletionService:
             return codec.encode(codec.render(messages, False))
 
         try:
-            tokens = await asyncio.to_thread(rendered)
+            tokens = await run_text(rendered)
         except Exception:  # noqa: BLE001 - a measurement only; the template refusing an assistant turn is no error
             return
         is_reused = common_prefix(tokens, history) == len(history)
