@@ -1,5 +1,6 @@
 """The sampler, logprobs, stop strings and the per-call text output as pure functions (no model)."""
 
+import dataclasses
 import math
 
 import mlx.core as mx
@@ -123,12 +124,78 @@ def test_repetition_penalty():
     assert len(recent_tokens(list(range(100)))) == PENALTY_WINDOW
 
 
-@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.8, seed=5, repetition_penalty=1.3),
-                                    SamplingParams(repetition_penalty=1.3)])
-def test_target_draws_are_choose_per_row(params):
+def _splitmix64(x: int) -> int:  # the published SplitMix64 finaliser (Steele et al.)
+    x = (x + 0x9E3779B97F4A7C15) % 2**64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) % 2**64
+    return x ^ (x >> 31)
+
+
+def _reference_draw(logits: mx.array, p: SamplingParams, position: int, recent: list[int]) -> int:
+    """The documented draw (sampler.py's module docstring), written independently in float64 Python:
+    filters over the probabilities sorted most probable first (ties: lower id), then the inverse CDF of
+    the kept tokens in ascending id order."""
+    x = [float(v) for v in np.array(logits, dtype=np.float32)]  # the float32 bits, widened
+    if p.repetition_penalty not in (0.0, 1.0):
+        for t in set(recent):
+            x[t] = x[t] / p.repetition_penalty if x[t] > 0 else x[t] * p.repetition_penalty
+    if p.temperature == 0.0:
+        return min(range(len(x)), key=lambda i: (-x[i], i))  # argmax, first of equals
+    z = [v / p.temperature for v in x]
+    top = max(z)
+    e = [math.exp(v - top) for v in z]
+    probs = [v / sum(e) for v in e]
+    ranked = sorted(range(len(probs)), key=lambda i: (-probs[i], i))
+    if 0 < p.top_k < len(ranked):
+        ranked = ranked[: p.top_k]
+    if 0 < p.top_p < 1:
+        total, mass, n = sum(probs[i] for i in ranked), 0.0, 0
+        while n < len(ranked) and mass < p.top_p:  # shortest prefix whose (renormalised) mass reaches top_p
+            mass += probs[ranked[n]] / total
+            n += 1
+        ranked = ranked[:n]
+    if p.min_p > 0:
+        ranked = [i for i in ranked if probs[i] >= p.min_p * probs[ranked[0]]]
+    kept = sorted(ranked)
+    u = (_splitmix64(_splitmix64(p.seed) ^ position) >> 11) / 2.0**53
+    target, cumulative = u * sum(probs[i] for i in kept), 0.0
+    for i in kept:
+        cumulative += probs[i]
+        if cumulative > target:
+            return i
+    return kept[-1]
+
+
+ORACLE_PARAMS = [
+    SamplingParams(temperature=1.0, seed=1),
+    SamplingParams(temperature=0.7, top_k=20, seed=2),
+    SamplingParams(temperature=1.3, top_p=0.8, seed=3),
+    SamplingParams(temperature=0.9, min_p=0.05, seed=4),
+    SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.02, repetition_penalty=1.3, seed=2**64 - 5),
+    SamplingParams(repetition_penalty=1.3),  # greedy over penalised logits
+]
+
+
+@pytest.mark.parametrize("params", ORACLE_PARAMS)
+def test_choose_matches_an_independent_inverse_cdf(params):
+    rows = [_logits(30, scale=0.7), _logits(31, scale=2.0), mx.array(np.round(np.array(_logits(32)), 0))]  # last: ties
+    recent = list(range(0, V, 7))
+    draws, want = [], []
+    for r, row in enumerate(rows):
+        for seed in (params.seed, params.seed ^ 0x5DEECE66D):
+            p = dataclasses.replace(params, seed=seed)
+            for pos in (0, 1, 2, 63, 64, 1000, 2**32 + r, 2**63 + 17):
+                draws.append(choose(row, p, pos, recent))
+                want.append(_reference_draw(row, p, pos, recent))
+    assert draws == want
+    assert len(set(draws)) > (1 if params.is_greedy else 10)  # the draws vary: the comparison can see a difference
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), ORACLE_PARAMS[4], SamplingParams(repetition_penalty=1.3)])
+def test_target_draws_follow_the_reference_per_row(params):
     rows = mx.stack([_logits(10 + i, scale=0.7) for i in range(4)])
     history, block = [3, 4, 5], [6, 7, 8, 9]
-    want = [choose(rows[i], params, 20 + 1 + i, recent_tokens(history, block[: i + 1])) for i in range(4)]
+    want = [_reference_draw(rows[i], params, 20 + 1 + i, recent_tokens(history, block[: i + 1])) for i in range(4)]
     assert list(target_draws(rows, block, params, 20, history)) == want
 
 

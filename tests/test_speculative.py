@@ -1,11 +1,15 @@
 """Speculative decoding: drafters, the decode step, and the session gates through the server."""
 
 import grpc
+import mlx.core as mx
+import mlx.nn as nn
 import pytest
 
 from inference_engine.client import spec_gates as spec_gate
+from inference_engine.decoding import step
 from inference_engine.decoding.drafter import ModelDrafter, PromptLookupDrafter
-from inference_engine.model.loader import random_model
+from inference_engine.decoding.sampler import target_draws
+from inference_engine.model.loader import LoadedModel, random_model
 from inference_engine.runtime.engine import Engine, check_draft_compatible
 from inference_engine.session.session import Session
 from inference_engine.session.session_store import SessionStore
@@ -13,12 +17,32 @@ from inference_engine.v1 import runtime_pb2 as pb
 from tests.conftest import running_server
 
 PROMPT = [5, 17, 33, 2, 250, 9, 9, 120, 64, 3, 5, 17, 33, 2, 250, 9]
+# From here the tiny model settles into a repeating continuation that prompt lookup copies
+# (PROMPT gets no lookup draft accepted: random weights rarely copy).
+GATE_PROMPT = [117] * 16
+
+
+def noisy_copy(seed: int = 0, scale: float = 0.02) -> LoadedModel:
+    """The tiny model `seed` with N(0, scale^2) added to every weight: a draft model that agrees sometimes."""
+    m = random_model(seed=seed)
+    mx.random.seed(99)
+    m.model.update(nn.utils.tree_map(lambda p: p + scale * mx.random.normal(p.shape), m.model.parameters()))
+    mx.eval(m.model.parameters())
+    return m
 
 
 @pytest.fixture(scope="module")
 def engine(tiny):
-    # The draft is a differently seeded random model: low acceptance exercises rollback.
-    e = Engine(tiny, exact=True, max_tile=16, plain_block=64, max_rollback=8, draft=random_model(seed=1))
+    # The draft is a noisy copy of the target: most drafts rejected (rollback), some accepted.
+    e = Engine(tiny, exact=True, max_tile=16, plain_block=64, max_rollback=8, draft=noisy_copy())
+    yield e
+    e.close()
+
+
+@pytest.fixture(scope="module")
+def self_engine(tiny):
+    # The draft model is the target itself: every greedy draft is the target's own choice.
+    e = Engine(tiny, exact=True, max_tile=16, plain_block=64, max_rollback=8, draft=tiny)
     yield e
     e.close()
 
@@ -80,13 +104,53 @@ def test_draft_vocab_mismatch_refused(tiny):
         check_draft_compatible(tiny, random_model(seed=2, vocab_size=300))
 
 
-@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
-@pytest.mark.parametrize("drafter", ["lookup", "draft"])
-async def test_session_gates_tiny(engine, drafter, sampling):
-    async with running_server(engine) as (stub, runtime):
-        report = await spec_gate.run_gates(stub, pb, lambda sid: runtime.store.get(sid).history, PROMPT, [drafter], [1, 4, 8], 24, 3, 8, [sampling])
+def _gate_lines(report: spec_gate.GateReport) -> int:
+    return sum(line.startswith("ok: gate") for line in report.lines)
+
+
+@pytest.mark.parametrize("drafter", ["lookup", "draft", "self"])
+async def test_session_gates_tiny(engine, self_engine, drafter):
+    async with running_server(self_engine if drafter == "self" else engine) as (stub, runtime):
+        report = await spec_gate.run_gates(stub, pb, lambda sid: runtime.store.get(sid).history, GATE_PROMPT, [drafter],
+                                           [1, 4, 8], 24, 3, 8, ["greedy", "seeded"])
     assert report.failures == 0, "\n".join(report.lines)
-    assert sum(line.startswith("ok: gate") for line in report.lines) == (3 * 3 + 1) + 2 * (5 * 3 + 1)  # widths per K
+    assert _gate_lines(report) == 2 * ((2 * 3 + 1) + 2 * (4 * 3 + 1))  # widths {2, 32}, {3, 4, 5, 32}, {7, 8, 9, 32}
+    assert len(report.arms) == 2 * (4 + 6 + 6) and all(a.drafted > 0 for a in report.arms)
+    kinds = {setting: {a.acceptance for a in report.arms if a.setting == setting} for setting in spec_gate.SAMPLINGS}
+    if drafter == "self":  # greedy: every draft accepted; seeded: the draw departs from the argmax draft at times
+        assert kinds == {"greedy": {"full"}, "seeded": {"partial"}}
+    elif drafter == "draft":
+        assert kinds == {"greedy": {"partial"}, "seeded": {"partial"}}
+    else:
+        assert {"partial", "full"} <= kinds["greedy"] | kinds["seeded"] and "partial" in kinds["seeded"]
+
+
+def _accept_every_draft(logits, block, params, position, history):
+    return iter(block[1:])
+
+
+def _draws_one_position_early(logits, block, params, position, history):
+    return target_draws(logits, block, params, position - 1, history)
+
+
+@pytest.mark.parametrize("rule,drafter,setting", [(_accept_every_draft, "draft", "greedy"),
+                                                  (_draws_one_position_early, "self", "seeded")])
+async def test_gates_catch_a_wrong_acceptance_rule(engine, self_engine, monkeypatch, rule, drafter, setting):
+    """Control: a step accepting drafts the target would not have chosen makes "speculative equals plain" fail."""
+
+    async def gates() -> spec_gate.GateReport:
+        async with running_server(self_engine if drafter == "self" else engine) as (stub, runtime):
+            history_of = lambda sid: runtime.store.get(sid).history  # noqa: E731
+            return await spec_gate.run_gates(stub, pb, history_of, GATE_PROMPT, [drafter], [4], 24, 3, 8, [setting])
+
+    right = await gates()
+    with monkeypatch.context() as m:
+        m.setattr(step, "target_draws", rule)
+        wrong = await gates()
+    assert right.failures == 0, "\n".join(right.lines)
+    failed = [line for line in wrong.lines if line.startswith("FAIL")]
+    assert any("equals plain" in line for line in failed), "\n".join(wrong.lines)
+    assert wrong.counts()[1] > right.counts()[1]  # the wrong rule accepted drafts the right one refused
 
 
 async def test_speculative_counts_and_eos(engine):
@@ -127,8 +191,9 @@ async def test_draft_mode_without_draft_model_is_failed_precondition(tiny):
 @pytest.mark.real_model
 @pytest.mark.parametrize("drafter,sampling", [("lookup", "greedy"), ("lookup", "seeded"), ("draft", "greedy")])
 async def test_session_gates_real_model(real_model, real_model_path, drafter, sampling):
-    """The gate battery on the packaged model (K=4, window wraps), both drafters; seeded sampling with lookup
-    (seeded draft-model speculation on the real model: test_sampling_real_model.py; every combination: the script)."""
+    """The gate battery on the packaged model (K=4, window wraps) on a prompt it copies, prompt lookup and the q4
+    draft model (seeded draft-model speculation on the real model: test_sampling_real_model.py; the target as its
+    own draft model: test_session_gates_tiny; every combination: the script)."""
     from inference_engine.model.loader import load_model
 
     draft = load_model(real_model_path.parent / "q4")
@@ -137,6 +202,14 @@ async def test_session_gates_real_model(real_model, real_model_path, drafter, sa
     text = tok.apply_chat_template([{"role": "user", "content": spec_gate.PROMPT_TEXT}], add_generation_prompt=True, tokenize=False)
     prompt = tok.encode(text, add_special_tokens=False)
     async with running_server(engine) as (stub, runtime):
-        report = await spec_gate.run_gates(stub, pb, lambda sid: runtime.store.get(sid).history, prompt, [drafter], [4], 16, 4, 32, [sampling])
-    assert report.failures == 0, "\n".join(report.lines)
+        report = await spec_gate.run_gates(stub, pb, lambda sid: runtime.store.get(sid).history, prompt, [drafter], [4],
+                                           16, 4, 32, [sampling])
     engine.close()
+    assert report.failures == 0, "\n".join(report.lines)
+    assert len(report.arms) == 6 and all(a.drafted > 0 for a in report.arms)
+    drafted, accepted = report.counts()
+    kinds = {a.acceptance for a in report.arms}
+    if sampling == "greedy":  # the model copies the list: lookup 50/53 drafts accepted, the q4 draft 55/55
+        assert accepted >= 0.85 * drafted and "full" in kinds, report.arms
+    else:  # the draws leave the list at times (lookup: 38/49 accepted): drafts rejected there
+        assert 0.5 * drafted <= accepted < drafted and "partial" in kinds, report.arms
