@@ -12,8 +12,10 @@ RPC_TIMEOUT_S = 120.0  # deadline of every RPC, so a hung server fails the run i
 READY_TIMEOUT_S = 300.0  # the first start may convert the packaged model
 PROMPT = "What is the capital of France? Answer in one sentence."
 FOLLOW_UP = "And of Italy?"
-STORY = "Write a short story about a robot who learns to paint."  # open-ended: sampling departs from greedy
-SAMPLING = {"temperature": 1.0, "top_p": 0.95, "seed": 7}  # the seeded-sampling scenario
+# The seeded-sampling scenario: SmolLM2 copies this list for a while under this seed (prompt lookup then has
+# drafts accepted: 7 of 9), and the draws depart from greedy.
+COPY = "Copy this list exactly: red, green, blue, red, green, blue, red, green, blue"
+SAMPLING = {"temperature": 1.0, "top_p": 0.95, "seed": 1234}
 
 
 class CheckFailed(Exception):
@@ -48,6 +50,8 @@ class Generated:
     text: str = ""  # the streamed text, concatenated
     logprobs: int = 0  # TokenLogprob entries received
     usage: dict[str, Any] = field(default_factory=dict)  # the last message's usage
+    drafted: int = 0  # draft tokens verified in the call (last message)
+    accepted: int = 0  # of those, accepted
 
     @property
     def tokens_per_s(self) -> float:

@@ -10,7 +10,7 @@ import grpc
 
 from inference_engine.v1 import runtime_pb2 as pb
 from inference_engine.v1 import runtime_pb2_grpc as pb_grpc
-from smokekit.common import (CheckFailed, FOLLOW_UP, Generated, PROMPT, RPC_TIMEOUT_S, SAMPLING, STORY, ScenarioResult,
+from smokekit.common import (CheckFailed, FOLLOW_UP, Generated, PROMPT, RPC_TIMEOUT_S, SAMPLING, COPY, ScenarioResult,
                              VOCAB_SIZE)
 
 
@@ -78,7 +78,7 @@ class Smoke:
         t0 = time.perf_counter()
         tokens: list[int] = []
         text, logprobs, usage = [], 0, {}
-        stop, history = "", 0
+        stop, history, drafted, accepted = "", 0, 0, 0
         req = pb.GenerateRequest(session_id=sid, max_new_tokens=n, ignore_eos=ignore_eos, **fields)
         async for msg in self.stub.Generate(req, timeout=RPC_TIMEOUT_S):
             tokens.extend(msg.tokens)
@@ -88,8 +88,9 @@ class Smoke:
                 first_token.set()
             if msg.stop_reason != pb.STOP_REASON_UNSPECIFIED:
                 stop, history = pb.StopReason.Name(msg.stop_reason), msg.history_length
+                drafted, accepted = msg.drafted_tokens, msg.accepted_tokens
                 usage = {f.name: getattr(msg.usage, f.name) for f in msg.usage.DESCRIPTOR.fields}
-        return Generated(tokens, stop, history, time.perf_counter() - t0, "".join(text), logprobs, usage)
+        return Generated(tokens, stop, history, time.perf_counter() - t0, "".join(text), logprobs, usage, drafted, accepted)
 
     def expect_history(self, what: str, got: int) -> None:
         """Compare the main session's history with the count kept here; resync on mismatch."""
@@ -192,21 +193,27 @@ class Smoke:
             await self.close(sid)
 
     async def seeded_sampling(self, data: dict[str, Any]) -> str:
-        """The same seed twice, and under prompt lookup with K=4: the same tokens; greedy differs."""
+        """The same seed twice, and under prompt lookup with K=4 (drafts proposed and accepted): the same tokens;
+        greedy differs."""
         runs = {
-            "plain": await self.sampled_session("smoke-seed-a", STORY, **SAMPLING),
-            "again": await self.sampled_session("smoke-seed-b", STORY, **SAMPLING),
-            "lookup K=4": await self.sampled_session("smoke-seed-c", STORY, mode=pb.DECODE_MODE_SPECULATIVE_LOOKUP,
+            "plain": await self.sampled_session("smoke-seed-a", COPY, **SAMPLING),
+            "again": await self.sampled_session("smoke-seed-b", COPY, **SAMPLING),
+            "lookup K=4": await self.sampled_session("smoke-seed-c", COPY, mode=pb.DECODE_MODE_SPECULATIVE_LOOKUP,
                                                      num_draft_tokens=4, **SAMPLING),
-            "greedy": await self.sampled_session("smoke-greedy", STORY),
+            "greedy": await self.sampled_session("smoke-greedy", COPY),
         }
-        data.update(prompt=STORY, sampling=SAMPLING, **{k: {"tokens": g.tokens, "text": g.text} for k, g in runs.items()})
+        lookup = runs["lookup K=4"]
+        data.update(prompt=COPY, sampling=SAMPLING, drafted=lookup.drafted, accepted=lookup.accepted,
+                    **{k: {"tokens": g.tokens, "text": g.text} for k, g in runs.items()})
         same = [k for k in ("again", "lookup K=4") if runs[k].tokens != runs["plain"].tokens]
         if same:
             raise CheckFailed(f"seed {SAMPLING['seed']} gave other tokens in: {', '.join(same)}")
         if runs["greedy"].tokens == runs["plain"].tokens:
             raise CheckFailed("sampling gave the greedy tokens: no draw happened")
-        return f"seed {SAMPLING['seed']}: plain, again and lookup K=4 equal: {runs['plain'].text!r}"
+        if lookup.accepted == 0:  # "equal under lookup" compared plain sampling with itself
+            raise CheckFailed(f"prompt lookup had {lookup.accepted} of {lookup.drafted} drafts accepted")
+        return (f"seed {SAMPLING['seed']}: plain, again and lookup K=4 ({lookup.accepted}/{lookup.drafted} drafts "
+                f"accepted) equal: {runs['plain'].text!r}")
 
     async def stop_string(self, data: dict[str, Any]) -> str:
         gen = await self.sampled_session("smoke-stop", stop=["."], temperature=0.0)
