@@ -2,17 +2,15 @@
 and the full block of 64), burst widths {2, K, 32}, prompt-lookup and draft-model speculation (window wrapping
 meanwhile), with drafts proposed and accepted; another seed gives another stream (the comparison can fail)."""
 
-import sys
-
 import pytest
 
 from inference_engine.client.spec_gates import PROMPT_TEXT
-from inference_engine.model import native_kernels
 from inference_engine.model.loader import load_model
 from inference_engine.runtime.engine import Engine
 from inference_engine.v1 import runtime_pb2 as pb
 from tests.conftest import running_server
 from tests.exactness import chunkings
+from tests.kernel_guard import assert_full_tile
 
 pytestmark = pytest.mark.real_model
 SINK, WINDOW, N, K = 4, 32, 16, 4
@@ -20,10 +18,8 @@ SAMPLED = dict(temperature=0.8, top_p=0.9, top_k=50, repetition_penalty=1.1, see
 
 
 def _engine(real_model, max_tile: int, draft=None) -> Engine:
-    e = Engine(real_model, exact=True, max_tile=max_tile, plain_block=64, max_rollback=8, draft=draft)
-    if sys.platform.startswith("linux"):  # the native kernels are row-invariant up to 64 rows: the probe keeps the max
-        assert native_kernels.is_bound() and e.block == max_tile, (native_kernels.is_bound(), e.block)
-    return e
+    engine = Engine(real_model, exact=True, max_tile=max_tile, plain_block=64, max_rollback=8, draft=draft)
+    return assert_full_tile(engine)  # at the tile of 16 and the full block of 64 alike
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ from inference_engine.session.session import Session
 from inference_engine.session.session_store import SessionStore
 from inference_engine.v1 import runtime_pb2 as pb
 from tests.conftest import running_server
+from tests.kernel_guard import assert_full_tile
 
 PROMPT = [5, 17, 33, 2, 250, 9, 9, 120, 64, 3, 5, 17, 33, 2, 250, 9]
 # From here the tiny model settles into a repeating continuation that prompt lookup copies
@@ -34,7 +35,7 @@ def noisy_copy(seed: int = 0, scale: float = 0.02) -> LoadedModel:
 @pytest.fixture(scope="module")
 def engine(tiny):
     # The draft is a noisy copy of the target: most drafts rejected (rollback), some accepted.
-    e = Engine(tiny, exact=True, max_tile=16, plain_block=64, max_rollback=8, draft=noisy_copy())
+    e = assert_full_tile(Engine(tiny, exact=True, max_tile=16, plain_block=64, max_rollback=8, draft=noisy_copy()))
     yield e
     e.close()
 
@@ -42,7 +43,7 @@ def engine(tiny):
 @pytest.fixture(scope="module")
 def self_engine(tiny):
     # The draft model is the target itself: every greedy draft is the target's own choice.
-    e = Engine(tiny, exact=True, max_tile=16, plain_block=64, max_rollback=8, draft=tiny)
+    e = assert_full_tile(Engine(tiny, exact=True, max_tile=16, plain_block=64, max_rollback=8, draft=tiny))
     yield e
     e.close()
 
@@ -199,7 +200,7 @@ async def test_session_gates_real_model(real_model, real_model_path, drafter, sa
     from inference_engine.model.loader import load_model
 
     draft = load_model(real_model_path.parent / "q4")
-    engine = Engine(real_model, exact=True, max_tile=16, plain_block=64, max_rollback=8, draft=draft)
+    engine = assert_full_tile(Engine(real_model, exact=True, max_tile=16, plain_block=64, max_rollback=8, draft=draft))
     tok = real_model.tokenizer
     text = tok.apply_chat_template([{"role": "user", "content": spec_gate.PROMPT_TEXT}], add_generation_prompt=True, tokenize=False)
     prompt = tok.encode(text, add_special_tokens=False)
