@@ -128,6 +128,17 @@ async def test_session_gates_tiny(engine, self_engine, drafter):
     assert report.failures == (drafter == "draft"), report.lines[-2:]  # the noisy draft never has a whole arm accepted
 
 
+async def test_gates_fail_when_no_draft_is_accepted(engine):
+    """Control: on PROMPT the tiny model never continues a lookup match, so "equals plain" ran only the reject
+    path: every check but the acceptance one passes, and that one fails."""
+    async with running_server(engine) as (stub, runtime):
+        report = await spec_gate.run_gates(stub, pb, lambda sid: runtime.store.get(sid).history, PROMPT, ["lookup"], [4],
+                                           24, 3, 8, ["greedy"])
+    assert {a.acceptance for a in report.arms} == {"none"} and report.counts()[0] > 0
+    assert [line for line in report.lines if line.startswith("FAIL")] == [
+        f"FAIL: lookup: the target accepted 0 of {report.counts()[0]} drafts over all arms"]
+
+
 def _accept_every_draft(logits, block, params, position, history):
     return iter(block[1:])
 
