@@ -116,15 +116,19 @@ class BatchStats:
 class Scheduler:
     """Owns the engine thread: plain calls and jobs, batched into one forward per iteration."""
 
-    def __init__(self, backend: Callable[[], Backend], max_rows: int, append_rows: int = 0, name: str = "mlx-engine"):
+    def __init__(self, backend: Callable[[], Backend], max_rows: int, append_rows: int = 0, name: str = "mlx-engine",
+                 clock: Callable[[], float] = time.perf_counter):
         """
         Args:
             backend: the engine's current backend (read at every iteration).
             max_rows: most rows in one forward (the probed tile at most).
             append_rows: append rows per iteration while a Generate streams; 0 = as many as
                 keep the iteration within GAP_SLACK times the streams' rows alone (learnt).
+            clock: seconds, for the cost model's periods and the forwards' timings (a test's
+                virtual clock makes them exact, whatever the machine's load).
         """
         self._backend = backend
+        self._clock = clock
         self.max_rows = max_rows
         self.append_rows = min(append_rows, max_rows)
         self.cost = CostModel(max_rows)
@@ -203,9 +207,9 @@ class Scheduler:
 
     def _run(self) -> None:
         while True:
-            waiting = time.perf_counter()
+            waiting = self._clock()
             self._wake.wait(self._hold)
-            if time.perf_counter() - waiting > IDLE_S:  # longer than a hand-over: not the last forward's cost
+            if self._clock() - waiting > IDLE_S:  # longer than a hand-over: not the last forward's cost
                 self._last = None
             self._hold = None
             self._wake.clear()
@@ -259,7 +263,7 @@ class Scheduler:
 
     def _iterate(self) -> bool:
         """One schedule → execute → update pass; whether any job advanced."""
-        started = time.perf_counter()
+        started = self._clock()
         for job in list(self._jobs):
             if job.is_cancelled and not job.is_done:
                 self._finish(job, None)
@@ -292,7 +296,7 @@ class Scheduler:
                             planned)
         decoders += [j for j in joined if j.is_decoder]
         appends += [j for j in joined if not j.is_decoder]
-        planned_at = time.perf_counter()  # the streams read their last forward's logits: it is done
+        planned_at = self._clock()  # the streams read their last forward's logits: it is done
         streaming = bool(planned)
         if streaming and self._last is not None:  # a stream's period: that forward, its hand-over, this plan
             self.cost.observe(self._last[0], planned_at - self._last[1])
@@ -322,7 +326,7 @@ class Scheduler:
             except BaseException as exc:  # noqa: BLE001 - one session's failure stays its own
                 self._finish(job, exc)
         self._last = (rows, planned_at) if streaming else None
-        self._account(rows, len(planned), time.perf_counter() - started)
+        self._account(rows, len(planned), self._clock() - started)
         return True
 
     def _join_new_jobs(self) -> list[Job]:
