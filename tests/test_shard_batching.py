@@ -182,9 +182,11 @@ async def test_the_sessions_of_the_last_call_are_awaited_for_a_while(chain, monk
         await asyncio.gather(a, *rest)
         assert head.metrics().forwards - forwards == 1
         monkeypatch.setattr(step_batcher, "GATHER_S", 0.05)
-        out = await asyncio.wait_for(batcher.step(item("b", 4)), 5)  # a and c stopped: b goes after one wait
+        out = await asyncio.wait_for(batcher.step(item("b", 4)), 60)  # a and c stopped: b goes after one wait
         assert head.metrics().forwards - forwards == 2 and out.next_position == positions["b"]
-        assert (await asyncio.wait_for(batcher.step(item("b", 5)), 0.04)).next_position == positions["b"]
+        monkeypatch.setattr(step_batcher, "GATHER_S", 3600.0)  # a wait for companions would outlast the guard
+        out = await asyncio.wait_for(batcher.step(item("b", 5)), 60)  # b alone last time: it goes at once
+        assert head.metrics().forwards - forwards == 3 and out.next_position == positions["b"]
     finally:
         thread.close()
 
