@@ -204,7 +204,9 @@ async def _connected(tiny, **config):
     tail = FaultInjectingEngine(MlxShardEngine(tiny.model, LayerRange(1, 2), block=8, max_rollback=9))
     engine = Engine(tiny, exact=True, max_tile=4, plain_block=64, max_rollback=8)
     async with contextlib.AsyncExitStack() as stack:
-        addresses = tuple([(await stack.enter_async_context(shard_server(e)))[1] for e in (head, tail)])
+        served = [await stack.enter_async_context(shard_server(e)) for e in (head, tail)]
+        addresses = tuple(address for _, address, _ in served)
+        tail.worker_thread = served[1][2].thread  # the tail's engine thread (a test waits for it to be idle)
         route, _ = await connect_shards(make_config(shards=addresses, **config), engine)
         try:
             yield engine, tail
@@ -250,23 +252,24 @@ async def test_a_generate_on_a_dead_route_fails_unavailable_and_keeps_what_it_se
     async with _connected(tiny, shard_recovery_timeout_s=1.0) as (engine, tail), running_server(engine) as (stub, _):
         sid = await _session(stub)
         got: list[int] = []
-        died: list[float] = []
+        died: list[bool] = []
 
         def kill(sent: int) -> None:
             if sent >= 5 and not died:
                 tail.inject(FaultConfig(crash_after=1), calls=1)
-                died.append(time.monotonic())
+                died.append(True)
 
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            await asyncio.wait_for(_generate(stub, sid, 24, got, kill), 30)
+        with pytest.raises(grpc.aio.AioRpcError) as err:  # the recovery timeout ends it (the guard only a hang)
+            await asyncio.wait_for(_generate(stub, sid, 24, got, kill), 60)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
         assert "the session is kept" in err.value.details() and "retry shortly" in err.value.details()
-        assert time.monotonic() - died[0] < 1.0 + 3.0  # the recovery timeout, not more
+        assert "crashed after 1 calls" in err.value.details()  # restoring met the dead tail until it gave up
         assert 5 <= len(got) < 24 and got == want[: len(got)]
         started = time.monotonic()
         with pytest.raises(grpc.aio.AioRpcError) as err:  # still down: no token, UNAVAILABLE
-            await _generate(stub, sid, 4)
-        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and 0.9 < time.monotonic() - started < 4.0
+            await asyncio.wait_for(_generate(stub, sid, 4), 60)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "crashed after 1 calls" in err.value.details()
+        assert time.monotonic() - started >= 1.0  # it waited out the recovery timeout (a bound no load can break)
         tail.inject(FaultConfig())
         info = await stub.GetSessionInfo(pb.GetSessionInfoRequest(session_id=sid))
         assert info.history_length == 9 + len(got)  # what the client saw, nothing more
@@ -278,8 +281,8 @@ async def test_a_generate_on_a_dead_route_fails_unavailable_and_keeps_what_it_se
 async def test_a_hung_worker_is_given_up_on_at_the_configured_deadlines(tiny):
     """The tail stops answering mid-stream (each step sleeps HANG_S): the step deadline
     (--shard-step-timeout) fails it, and the call ends UNAVAILABLE once the route has been silent
-    for the recovery timeout since the step went out, not after the former fixed 120 s; the
-    session then continues exactly."""
+    for the recovery timeout since the step went out, not after the former fixed 120 s (or once the
+    sleeping step answers); the session then continues exactly."""
     hang_s = 6.0
     want, digest = await _reference(tiny, 24)
     async with _connected(tiny, shard_recovery_timeout_s=3.0, shard_step_timeout_s=1.0) as (engine, tail), \
@@ -287,22 +290,22 @@ async def test_a_hung_worker_is_given_up_on_at_the_configured_deadlines(tiny):
         assert engine.backend.route.pipeline.step_timeout_s == 1.0  # from the ServerConfig
         sid = await _session(stub)
         got: list[int] = []
-        hung: list[float] = []
 
         def hang(sent: int) -> None:
-            if sent >= 5 and not hung:
+            if sent >= 5 and not tail.faults.delay_s:
                 tail.inject(FaultConfig(delay_s=hang_s))
-                hung.append(time.monotonic())
 
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            await asyncio.wait_for(_generate(stub, sid, 24, got, hang), 12)  # each step answers after 6 s otherwise
-        elapsed = time.monotonic() - hung[0]
+        with pytest.raises(grpc.aio.AioRpcError) as err:  # a step that answered late would end the stream OK
+            await asyncio.wait_for(_generate(stub, sid, 24, got, hang), 60)
+        details = err.value.details()
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
-        assert "the session is kept" in err.value.details()
-        assert elapsed < 3.0 + 2.0
-        assert got == want[: len(got)]
+        assert "the session is kept" in details
+        assert "within the recovery timeout (3 s)" in details, details  # the deadline that ended the call
+        assert got == want[: len(got)] and 5 <= len(got) < 24
         tail.inject(FaultConfig())
-        await asyncio.sleep(max(0.0, hung[0] + hang_s + 0.5 - time.monotonic()))  # the sleeping steps end
+        for _ in range(2):  # the sleeping steps end (a call queued behind them), the last ones sent too
+            await asyncio.wait_for(tail.worker_thread.run(lambda: None), 120)
+            await asyncio.sleep(0.5)
         got += await _generate(stub, sid, 24 - len(got))
         assert got == want
         assert (await stub.GetSessionInfo(pb.GetSessionInfoRequest(session_id=sid))).state_digest == digest
