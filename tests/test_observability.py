@@ -167,7 +167,16 @@ def test_call_record_outside_a_call():
     record = call_record.current()
     record.session_id = "x"  # a throwaway: nothing to observe
     assert call_record.current().session_id == ""
-    metrics.track_pool(lambda: 0, 1, lambda: 0)
+
+
+def test_pool_gauges_read_the_live_store_at_scrape_time():
+    held = {"slabs": 3, "bytes": 4096}
+    metrics.track_pool(lambda: held["slabs"], 8, lambda: held["bytes"])
+    value = metrics.REGISTRY.get_sample_value
+    assert (value("inference_engine_sessions_in_use"), value("inference_engine_session_slots"),
+            value("inference_engine_kv_pool_bytes_in_use")) == (3, 8, 4096)
+    held.update(slabs=5, bytes=0)  # read again at the next scrape, not copied
+    assert (value("inference_engine_sessions_in_use"), value("inference_engine_kv_pool_bytes_in_use")) == (5, 0)
 
 
 def test_short_id_and_metrics_host_warning(caplog):
