@@ -7,6 +7,15 @@ cd "$(dirname "$0")/.."
 PY=.venv/bin/python
 LIB=$($PY -m inference_engine.blas)  # [kernel interposer:]OpenBLAS, as the launcher preloads
 if [[ -n "$LIB" && "${INFERENCE_ENGINE_NO_OPENBLAS:-0}" != 1 ]]; then export LD_PRELOAD="$LIB${LD_PRELOAD:+:$LD_PRELOAD}"; fi
+# INFERENCE_ENGINE_TEST_HOG=N starts N busy loops for the whole run (killed on exit): the suite must
+# pass under load, since no test may depend on the machine's speed (issue 33).
+HOGS=()
+stop_hogs() { for pid in "${HOGS[@]}"; do kill "$pid" 2>/dev/null || true; done; }
+trap stop_hogs EXIT
+for ((i = 0; i < ${INFERENCE_ENGINE_TEST_HOG:-0}; i++)); do
+  (while :; do :; done) &
+  HOGS+=($!)
+done
 mkdir -p results/platform-tests
 rm -f .coverage .coverage.*
 $PY -m pytest -p no:cacheprovider --cov=inference_engine --cov-config=.coveragerc --cov-report=term \
