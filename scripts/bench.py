@@ -34,6 +34,9 @@ a median over several repetitions with min and max:
   over llama.cpp's single stream (`aggregate_vs_llama_cpp`: the two measured back to back,
   `reps` times, median of the ratios), prefill over the fp32 server's, idle RSS over the
   fp32 server's, and whether the q4_1 and fp32 servers decoded the same tokens.
+- checks (benchkit/checks.py): the speed and ratio bounds a sane run meets (bandwidth, fraction
+  of the limit, snapshot restore over replay), each with its value and whether it held; the
+  failed ones are printed. The tests read the figures' shape, never their speed.
 
 Usage: scripts/bench.py [--quick] [--out FILE]. The full run writes
 results/bench/<YYYY-MM-DD>-<host>.json; --quick is a seconds-long subset for CI.
@@ -57,6 +60,7 @@ from typing import Any, Callable
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo (inference_engine)
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ (benchkit)
 
+from benchkit.checks import print_failed, speed_checks  # noqa: E402
 from benchkit.concurrency import aggregate_vs_single, measure_concurrency  # noqa: E402
 from benchkit.core import (  # noqa: E402
     FULL,
@@ -116,8 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.snapshots_only:
         phase("session snapshots only")
         report = snapshots_report(plan, args.quick, measure_snapshots(plan, prompts), t0, load_at_start)
+        report["checks"] = speed_checks(report)
         out = write_section(report, "snapshots", args.out)
         print_snapshots(report["snapshots"])
+        print_failed(report["checks"])
         print(f"\nwrote {out}")
         return 0
     phase("memory bandwidth")
@@ -176,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         phase("shard pipeline: 3 workers vs single process")
         report["pipeline"] = measure_pipeline(plan, prompts)
     report["meta"].update(bench_wall_s=time.perf_counter() - t0, load_average_at_start=load_at_start)
+    report["checks"] = speed_checks(report)  # the bench judges speed; the tests only its figures' shape
 
     out = args.out or ROOT / "results" / "bench" / f"{report['meta']['date']}-{report['meta']['host']}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -196,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     print_snapshots(report["snapshots"])
     if "pipeline" in report:
         print_pipeline(report["pipeline"])
+    print_failed(report["checks"])
     print(f"\nwrote {out}")
     return 0
 
