@@ -9,9 +9,12 @@ import logging
 import sys
 
 from inference_engine.blas import reexec_with_openblas
+from inference_engine.launch import module_command
 from inference_engine.process_exit import exit_now
+from inference_engine.version import add_version_flag
 
 CLIENT_COMMANDS = ("chat", "generate")
+SERVER_COMMANDS = ("serve", "shard-worker", "prepare-model", "models")
 
 
 def list_models() -> str:
@@ -32,18 +35,22 @@ def _server_parsers(sub: argparse._SubParsersAction) -> bool:
         from inference_engine.log_setup import add_logging_flags
         from inference_engine.shard.worker.config import add_worker_flags
     except ImportError as exc:  # a client-only install: say what is missing when a server command is asked for
-        for name in ("serve", "shard-worker", "prepare-model"):
-            sub.add_parser(name, help=f"(needs the server install: {exc.name} is missing)")
+        for name in SERVER_COMMANDS:
+            add_version_flag(sub.add_parser(name, help=f"(needs the server install: {exc.name} is missing)"))
         return False
+    defaults = argparse.ArgumentDefaultsHelpFormatter  # every flag's help ends with its default
     commands = {
-        "serve": sub.add_parser("serve", help="serve RuntimeService over gRPC"),
-        "shard-worker": sub.add_parser("shard-worker", help="serve one layer range over ShardRuntime (gRPC)"),
+        "serve": sub.add_parser("serve", help="serve RuntimeService over gRPC", formatter_class=defaults),
+        "shard-worker": sub.add_parser("shard-worker", help="serve one layer range over ShardRuntime (gRPC)",
+                                       formatter_class=defaults),
         "prepare-model": sub.add_parser("prepare-model", help="convert the packaged model once (fp32 and q4) and exit"),
     }
     add_server_flags(commands["serve"])
     add_worker_flags(commands["shard-worker"])
     for command in commands.values():
         add_logging_flags(command)
+        add_version_flag(command)
+    add_version_flag(sub.add_parser("models", help="list the packaged model names --model takes"))
     return True
 
 
@@ -58,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return client_main(argv)
     parser = argparse.ArgumentParser(prog="python -m inference_engine")
+    add_version_flag(parser)
     sub = parser.add_subparsers(dest="command", required=True)
     try:
         has_server = _server_parsers(sub)
@@ -70,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     if not has_server:
         parser.error(f"`{args.command}` needs the server install: pip install 'inference_engine[server]'")
     try:
-        reexec_with_openblas(["-m", "inference_engine", *argv])
+        command, env = module_command(*argv)  # this copy of the package, never the current folder's
+        reexec_with_openblas(command[1:], env)
     except ValueError as exc:  # an unknown INFERENCE_ENGINE_KERNEL
         parser.error(str(exc))
     from inference_engine.log_setup import configure_logging

@@ -83,8 +83,18 @@ def kernel_library(kernel: str, cache_dir: Path | None = None) -> str | None:
 
     Built with $CC (default `cc`) into <cache>/native/, named by the hash of source and
     flags so an edited source is rebuilt. Returns None (the caller then preloads OpenBLAS
-    alone) for "openblas", or when no compiler is available or the build fails.
+    alone) for "openblas", or when no compiler is available or the build fails (a WARNING on
+    stderr names the cause).
     """
+    library = build_kernel(kernel, cache_dir)
+    if library is None or isinstance(library, Path):
+        return None if library is None else str(library)
+    print(f"WARNING: running without the {INTERPOSERS[kernel].label}: {library}", file=sys.stderr)
+    return None
+
+
+def build_kernel(kernel: str, cache_dir: Path | None = None) -> Path | str | None:
+    """The compiled interposer `kernel` (built on first use), why it cannot be built (str), or None for "openblas"."""
     if kernel not in INTERPOSERS:
         return None
     spec = INTERPOSERS[kernel]
@@ -93,25 +103,25 @@ def kernel_library(kernel: str, cache_dir: Path | None = None) -> str | None:
 
         cache_dir = default_cache_dir()
     source = _NATIVE / f"{spec.name}.c"
+    if not source.is_file():
+        return f"its source {source} is missing from the installed package (reinstall inference_engine)"
     headers = b"".join(h.read_bytes() for h in sorted(_NATIVE.glob("*.h")))  # what the sources include
     digest = hashlib.sha256(source.read_bytes() + headers + " ".join(spec.flags).encode()).hexdigest()[:12]
     target = cache_dir / "native" / f"{spec.name}-{digest}.so"
     if target.is_file():
-        return str(target)
+        return target
     cc = shutil.which(os.environ.get("CC", "cc"))
     if cc is None:
-        print(f"note: no C compiler ({os.environ.get('CC', 'cc')}); running without the {spec.label}", file=sys.stderr)
-        return None
+        return f"no C compiler ({os.environ.get('CC', 'cc')}; apt-get install gcc libc6-dev, or set $CC)"
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_suffix(f".{os.getpid()}.partial")
     cmd = [cc, "-fPIC", "-shared", "-o", str(partial), str(source), *spec.flags]
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
-        print(f"note: building the {spec.label} failed; running without it:\n{result.stderr}", file=sys.stderr)
         partial.unlink(missing_ok=True)
-        return None
+        return f"building it with {cc} failed (exit {result.returncode}):\n{result.stderr.strip()[-4000:]}"
     partial.replace(target)  # atomic: concurrent launchers never load a half-written file
-    return str(target)
+    return target
 
 
 def interposer_library(cache_dir: Path | None = None) -> str | None:
@@ -128,8 +138,12 @@ def preload_libraries() -> list[str]:
     return [interposer, lib] if interposer else [lib]
 
 
-def reexec_with_openblas(argv: list[str]) -> None:
+def reexec_with_openblas(argv: list[str], base_env: dict[str, str] | None = None) -> None:
     """Re-exec this Python process once with OpenBLAS (and the selected kernel) preloaded (Linux only).
+
+    Args:
+        argv: the new process's arguments after the interpreter (e.g. launch.module_command's).
+        base_env: its environment before LD_PRELOAD is added (default os.environ).
 
     Returns normally (no re-exec) on non-Linux systems, when OpenBLAS is already preloaded,
     when no OpenBLAS is installed, or when INFERENCE_ENGINE_NO_OPENBLAS=1.
@@ -142,7 +156,8 @@ def reexec_with_openblas(argv: list[str]) -> None:
     libs = preload_libraries()
     if not libs:
         return
-    env = dict(os.environ, LD_PRELOAD=":".join([*libs, preload] if preload else libs), **{_REEXEC_MARK: "1"})
+    env = dict(os.environ if base_env is None else base_env, **{_REEXEC_MARK: "1"})
+    env["LD_PRELOAD"] = ":".join([*libs, preload] if preload else libs)
     os.execve(sys.executable, [sys.executable, *argv], env)
 
 
@@ -155,11 +170,28 @@ def active_blas() -> str:
     except OSError:
         return "unknown"
     libs = sorted({line.split()[-1] for line in maps.splitlines() if "blas" in line.lower() and "/" in line})
-    openblas = [lib for lib in libs if "openblas" in lib]
+    # numpy's bundled libscipy_openblas64_ exports prefixed symbols: it computes numpy's products, not
+    # MLX's. The one in use is the preloaded one, else any other OpenBLAS mapped.
+    preloaded = os.environ.get("LD_PRELOAD", "").split(":")
+    openblas = sorted((lib for lib in libs if "openblas" in lib and "scipy_openblas" not in lib),
+                      key=lambda lib: not any(lib == p or Path(lib).name == Path(p).name for p in preloaded if p))
     if not openblas:
-        return f"reference: {', '.join(libs) or 'bundled'}"
+        others = [lib for lib in libs if "scipy_openblas" not in lib]
+        return f"reference: {', '.join(others) or 'MLX bundled'}"
     front = next(filter(None, map(_preloaded_version, INTERPOSERS.values())), "")
     return f"openblas: {openblas[0]}" + (f" + {front}" if front else "")
+
+
+def not_preloaded_reason() -> str:
+    """Why the launcher preloaded no kernel in this process (call where the selected kernel builds)."""
+    if os.environ.get("INFERENCE_ENGINE_NO_OPENBLAS") == "1":
+        return "INFERENCE_ENGINE_NO_OPENBLAS=1 (unset it)"
+    if find_openblas() is None:
+        return ("Debian's OpenBLAS is not installed (apt-get install libopenblas0-pthread); the kernel is "
+                "preloaded in front of it")
+    if not os.environ.get(_REEXEC_MARK):
+        return "the process was not started by the launcher (`inference-engine serve` or `python -m inference_engine`)"
+    return f"LD_PRELOAD={os.environ.get('LD_PRELOAD', '')!r} was set before the launcher ran (unset it)"
 
 
 def is_preloaded(kernel: str) -> bool:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from inference_engine.address import default_address
+from inference_engine.flag_ranges import FlagRange, check_ranges
 from inference_engine.model.packaged import DEFAULT_MODEL, DRAFT_MODEL
 from inference_engine.security.flags import (
     add_client_security_flags,
@@ -81,34 +82,44 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     """Register the flags that build a ServerConfig."""
     d = ServerConfig()
     host, port = default_address()
-    parser.add_argument("--host", default=host, help="default from $INFERENCE_ENGINE_ADDRESS, else %(default)s")
-    parser.add_argument("--port", type=int, default=port, help="0 = pick a free port (default %(default)s)")
+    parser.add_argument("--host", default=host, help="address to bind (the default comes from $INFERENCE_ENGINE_ADDRESS "
+                        "when set)")
+    parser.add_argument("--port", type=int, default=port, help="port to bind, 0..65535; 0 = pick a free port")
     parser.add_argument("--model", default=d.model,
-                        help="packaged model name (see `models`), an mlx-lm folder or a .gguf file")
+                        help="packaged model name (`python -m inference_engine models` lists them), an mlx-lm "
+                        "folder or a .gguf file")
     add_weights_flag(parser, d.weights)
     parser.add_argument(
         "--draft-model", default=None,
         help="draft model for SPECULATIVE_DRAFT (packaged name or folder, 'none' to disable); "
-        f"default: {DRAFT_MODEL} when serving the packaged model, else none",
+        f"{DRAFT_MODEL} when serving the packaged model, else none",
     )
-    parser.add_argument("--max-sessions", type=int, default=d.max_sessions)
+    parser.add_argument("--max-sessions", type=int, default=d.max_sessions, help="KV slabs in the pool: most sessions "
+                        "open at once (1 or more)")
     parser.add_argument("--max-kv-bytes", type=int, default=d.max_kv_bytes,
-                        help="K/V bytes all sessions may hold, draft caches included (0 = no bound beyond --max-sessions)")
-    parser.add_argument("--default-sink", type=int, default=d.default_sink)
-    parser.add_argument("--default-window", type=int, default=d.default_window)
-    parser.add_argument("--max-sink", type=int, default=d.max_sink)
-    parser.add_argument("--max-window", type=int, default=d.max_window)
-    parser.add_argument("--max-rollback", type=int, default=d.max_rollback)
-    parser.add_argument("--max-tokens-per-request", type=int, default=d.max_tokens_per_request)
+                        help="K/V bytes all sessions may hold, draft caches included (0 = no bound beyond "
+                        "--max-sessions)")
+    parser.add_argument("--default-sink", type=int, default=d.default_sink,
+                        help="first tokens a session keeps when it asks for 0 (0..--max-sink)")
+    parser.add_argument("--default-window", type=int, default=d.default_window,
+                        help="last tokens a session keeps when it asks for 0 (1..--max-window); a longer chat "
+                        "loses its middle")
+    parser.add_argument("--max-sink", type=int, default=d.max_sink, help="largest sink a session may ask for")
+    parser.add_argument("--max-window", type=int, default=d.max_window, help="largest window a session may ask for")
+    parser.add_argument("--max-rollback", type=int, default=d.max_rollback,
+                        help="most trailing tokens a verification may drop: the largest draft block (1 or more)")
+    parser.add_argument("--max-tokens-per-request", type=int, default=d.max_tokens_per_request,
+                        help="most tokens one AppendTokens may append")
     parser.add_argument("--max-text-chars", type=int, default=d.max_text_chars,
                         help="characters of text one request may carry (text, or the messages' contents together), "
                         "checked before tokenizing")
-    parser.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    parser.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens,
+                        help="largest max_new_tokens a Generate may ask for")
     parser.add_argument("--default-new-tokens", type=int, default=d.default_new_tokens,
-                        help="max_new_tokens of a Generate that says 0")
+                        help="max_new_tokens of a Generate that says 0 (1..--max-new-tokens)")
     parser.add_argument("--session-ttl", type=float, default=d.session_ttl_s, help="idle seconds before expiry")
     parser.add_argument("--no-exact", action="store_true", help="plain large blocks (not chunking-invariant)")
-    parser.add_argument("--max-tile", type=int, default=d.max_tile)
+    parser.add_argument("--max-tile", type=int, default=d.max_tile, help="largest block size the start-up probe tries")
     parser.add_argument("--max-batch-rows", type=int, default=d.max_batch_rows,
                         help="most rows of all sessions in one forward (0 = the probed block)")
     parser.add_argument("--append-rows", type=int, default=d.append_rows,
@@ -222,36 +233,44 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_transfers_per_identity=args.max_transfers_per_identity, persist_dir=args.persist_sessions,
         persist_every=args.persist_every, persist_interval_s=args.persist_interval,
     )
-    checks = {
-        "--max-sessions": cfg.max_sessions >= 1,
-        "--max-kv-bytes": cfg.max_kv_bytes >= 0,
-        "--default-sink": 0 <= cfg.default_sink <= cfg.max_sink,
-        "--default-window": 1 <= cfg.default_window <= cfg.max_window,
-        "--max-rollback": cfg.max_rollback >= 1,
-        "--default-new-tokens": 1 <= cfg.default_new_tokens <= cfg.max_new_tokens,
-        "--port": 0 <= cfg.port <= 65535,
-        "--max-tile": cfg.max_tile >= 1,
-        "--max-batch-rows": cfg.max_batch_rows >= 0,
-        "--append-rows": cfg.append_rows >= 0,
-        "--session-ttl": cfg.session_ttl_s > 0,
-        "--grace": cfg.grace_s >= 0,
-        "--shards": all(a.rpartition(":")[0] and a.rpartition(":")[2].isdigit() for a in cfg.shards),
-        "--spawn-shards": all(r.count(":") == 1 and r.replace(":", "").isdigit() for r in cfg.spawn_shards),
-        "--shard-recovery-timeout": cfg.shard_recovery_timeout_s > 0,
-        "--shard-step-timeout": cfg.shard_step_timeout_s > 0,
-        "--metrics-port": 0 <= cfg.metrics_port <= 65535,
-        "--http-port": 0 <= cfg.http_port <= 65535,
-        "--prefix-cache-bytes": cfg.prefix_cache_bytes >= 0,
-        "--max-snapshot-bytes": cfg.max_snapshot_bytes >= 1,
-        "--max-transfers": cfg.max_transfers >= 1,
-        "--max-transfers-per-identity": 1 <= cfg.max_transfers_per_identity <= cfg.max_transfers,
-        "--max-text-chars": cfg.max_text_chars >= 1,
-        "--persist-every": cfg.persist_every >= 1,
-        "--persist-interval": cfg.persist_interval_s >= 0,
-    }
-    bad = [flag for flag, ok in checks.items() if not ok]
-    if bad:
-        raise ValueError(f"out-of-range flags: {', '.join(bad)}")
+    check_ranges([
+        FlagRange("--max-sessions", cfg.max_sessions, 1),
+        FlagRange("--max-kv-bytes", cfg.max_kv_bytes, 0),
+        FlagRange("--max-sink", cfg.max_sink, 0),
+        FlagRange("--max-window", cfg.max_window, 1),
+        FlagRange("--default-sink", cfg.default_sink, 0, cfg.max_sink, "--max-sink"),
+        FlagRange("--default-window", cfg.default_window, 1, cfg.max_window, "--max-window"),
+        FlagRange("--max-rollback", cfg.max_rollback, 1),
+        FlagRange("--max-tokens-per-request", cfg.max_tokens_per_request, 1),
+        FlagRange("--max-new-tokens", cfg.max_new_tokens, 1),
+        FlagRange("--default-new-tokens", cfg.default_new_tokens, 1, cfg.max_new_tokens, "--max-new-tokens"),
+        FlagRange("--port", cfg.port, 0, 65535),
+        FlagRange("--max-tile", cfg.max_tile, 1),
+        FlagRange("--max-batch-rows", cfg.max_batch_rows, 0),
+        FlagRange("--append-rows", cfg.append_rows, 0),
+        FlagRange("--session-ttl", cfg.session_ttl_s, 0, exclusive_low=True),
+        FlagRange("--grace", cfg.grace_s, 0),
+        FlagRange("--shard-recovery-timeout", cfg.shard_recovery_timeout_s, 0, exclusive_low=True),
+        FlagRange("--shard-step-timeout", cfg.shard_step_timeout_s, 0, exclusive_low=True),
+        FlagRange("--metrics-port", cfg.metrics_port, 0, 65535),
+        FlagRange("--http-port", cfg.http_port, 0, 65535),
+        FlagRange("--prefix-cache-bytes", cfg.prefix_cache_bytes, 0),
+        FlagRange("--max-snapshot-bytes", cfg.max_snapshot_bytes, 1),
+        FlagRange("--max-transfers", cfg.max_transfers, 1),
+        FlagRange("--max-transfers-per-identity", cfg.max_transfers_per_identity, 1, cfg.max_transfers,
+                  "--max-transfers"),
+        FlagRange("--max-text-chars", cfg.max_text_chars, 1),
+        FlagRange("--persist-every", cfg.persist_every, 1),
+        FlagRange("--persist-interval", cfg.persist_interval_s, 0),
+    ])
+    malformed = [f"{flag} {value!r} ({rule})" for flag, value, ok, rule in (
+        ("--shards", ",".join(cfg.shards), all(a.rpartition(":")[0] and a.rpartition(":")[2].isdigit() for a in cfg.shards),
+         "HOST:PORT,..."),
+        ("--spawn-shards", ",".join(cfg.spawn_shards),
+         all(r.count(":") == 1 and r.replace(":", "").isdigit() for r in cfg.spawn_shards), "START:END,..."),
+    ) if not ok]
+    if malformed:
+        raise ValueError(f"malformed flags: {'; '.join(malformed)}")
     check_exposure(cfg.host, cfg.security)
     if cfg.http_port and cfg.security.is_mtls and not cfg.security.has_tokens:
         raise ValueError("--http-port with --tls-client-ca needs --auth-token-file: the HTTP API identifies callers "

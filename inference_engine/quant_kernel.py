@@ -30,7 +30,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Callable
 
-from inference_engine.blas import INTERPOSERS, is_preloaded, kernel_library, selected_kernel
+from inference_engine.blas import INTERPOSERS, build_kernel, is_preloaded, not_preloaded_reason, selected_kernel
 from inference_engine.model import native_kernels
 
 log = logging.getLogger(__name__)
@@ -52,11 +52,13 @@ class QuantKernel:
 def _toolchain() -> tuple[Path, Path, str] | str:
     """(nanobind package dir, mlx package dir, python include dir), or why they are missing."""
     try:
-        import mlx
+        import mlx.core
         import nanobind
     except ImportError as exc:
-        return f"cannot import {exc.name} (pip install -r requirements.txt)"
-    mlx_dir = Path(mlx.__path__[0])
+        return f"cannot import {exc.name} (pip install 'inference_engine[server]', which pins it)"
+    # mlx is a namespace package: mlx.__path__ may start with a folder named mlx in the current
+    # directory (MLX's own cache folder, say). Its headers are next to the compiled mlx.core.
+    mlx_dir = Path(mlx.core.__file__).resolve().parent
     if not (mlx_dir / "include" / "mlx" / "mlx.h").is_file():
         return f"the mlx wheel at {mlx_dir} ships no C++ headers"
     include = sysconfig.get_paths()["include"]
@@ -80,8 +82,10 @@ def extension_path(cache_dir: Path | None = None) -> Path | str:
         from inference_engine.config import default_cache_dir
 
         cache_dir = default_cache_dir()
-    source = _NATIVE / "exact_quant.cpp"
-    sources = [source, _NATIVE / "exact_attention.cpp", _NATIVE / "exact_layer.cpp"]
+    sources = [_NATIVE / "exact_quant.cpp", _NATIVE / "exact_attention.cpp", _NATIVE / "exact_layer.cpp"]
+    missing = [f.name for f in sources if not f.is_file()]
+    if missing:
+        return f"{', '.join(missing)} missing from {_NATIVE} (an incomplete install: reinstall inference_engine)"
     suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
     import mlx.core as mx
     import nanobind
@@ -93,7 +97,7 @@ def extension_path(cache_dir: Path | None = None) -> Path | str:
         return target
     cxx = shutil.which(os.environ.get("CXX", "c++"))
     if cxx is None:
-        return f"no C++ compiler ({os.environ.get('CXX', 'c++')})"
+        return f"no C++ compiler ({os.environ.get('CXX', 'c++')}; apt-get install g++, or set $CXX)"
     log.info("building the q4_1 kernel extension into %s (first use; about a minute)", target.parent)
     work = target.parent.with_name(f"{target.parent.name}.{os.getpid()}.partial")
     shutil.rmtree(work, ignore_errors=True)
@@ -115,7 +119,7 @@ def extension_path(cache_dir: Path | None = None) -> Path | str:
     failed = [r for r in results if r.returncode != 0]
     if failed:
         shutil.rmtree(work, ignore_errors=True)
-        return f"building the extension failed:\n{failed[0].stderr[-4000:]}"
+        return f"building the extension with {cxx} failed:\n{failed[0].stderr.strip()[-4000:]}"
     for leftover in (work / "nb.o", *objects):
         leftover.unlink()
     try:
@@ -155,11 +159,12 @@ def load_quant_kernel(cache_dir: Path | None = None) -> QuantKernel | str:
         return str(exc)
     if kernel != KERNEL:
         return f"INFERENCE_ENGINE_KERNEL={kernel}: q4_1 reproduces the exact-gemm kernel's fp32 products"
+    built = build_kernel(KERNEL, cache_dir)
+    if not isinstance(built, Path):  # the launcher could not preload it either: this is the real cause
+        return f"the {INTERPOSERS[KERNEL].label} cannot be built: {built}"
     if not is_preloaded(KERNEL):
-        return "the exact-gemm kernel is not preloaded in this process (start through `python -m inference_engine`)"
-    library = kernel_library(KERNEL, cache_dir)
-    if library is None:
-        return f"the {INTERPOSERS[KERNEL].label} did not build"
+        return f"the {INTERPOSERS[KERNEL].label} is not preloaded in this process: {not_preloaded_reason()}"
+    library = str(built)
     if library in _LOADED:
         return _LOADED[library]
     path = extension_path(cache_dir)

@@ -62,7 +62,8 @@ def load_served_model(model: str, weights: str, cache_dir: Path) -> ServedModel:
     if weights == "q4_1" and not note:
         return ServedModel(load_q4_1_model(model, cache_dir), "q4_1", "")
     if note:
-        log.warning("serving fp32 weights, not q4_1: %s", note)
+        log.warning("DEGRADED: serving fp32 weights, not q4_1 (same bits, about 5x the memory read per token, "
+                    "slower): %s", note)
     path = resolve_model_path(model, cache_dir)
     if is_gguf_file(path):
         log.info("loading %s: config, tokenizer and weights from the GGUF (gguf-py's fp32 dequantization)", path)
@@ -80,7 +81,8 @@ def use_native_kernels(cache_dir: Path) -> None:
     """Compute blocks with the native kernels in this process where it can (model/native_kernels.py)."""
     reason = enable_native_kernels(cache_dir)
     if reason:
-        log.info("transformer blocks run as MLX ops: %s", reason.splitlines()[0])
+        log.warning("DEGRADED: transformer blocks run as MLX ops, without the native attention and block "
+                    "kernels (same bits, slower): %s", reason)
 
 
 def load_q4_1_model(model: str, cache_dir: Path) -> LoadedModel:

@@ -14,6 +14,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "inference_engine"
 # Lower layers first. A module may import its own package and any package of a lower rank.
 RANKS = {
     "errors": 0, "v1": 0, "process_exit": 0, "readiness": 0, "short_id": 0, "metrics": 0, "log_setup": 0, "gc_freeze": 0, "malloc_trim": 0,
+    "launch": 0, "version": 0, "flag_ranges": 0,
     "model": 1, "security": 1, "text": 1, "address": 1,
     "config": 2,
     "blas": 3,

@@ -7,12 +7,13 @@ packaged one), and the probe must notice a kernel that does not.
 
 import os
 import sys
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from inference_engine import quant_kernel
+from inference_engine import blas, quant_kernel
 from inference_engine.model.forward import forward
 from inference_engine.model.fused_block import fused_linears
 from inference_engine.model.gguf_blocks import (
@@ -103,19 +104,39 @@ def test_why_q4_1_is_unavailable(monkeypatch):
     assert "is not a kernel" in load_quant_kernel()
     monkeypatch.delenv("INFERENCE_ENGINE_KERNEL")
     monkeypatch.setattr(quant_kernel, "is_preloaded", lambda kernel: False)
-    assert "not preloaded" in load_quant_kernel()
-    monkeypatch.setattr(quant_kernel, "kernel_library", lambda kernel, cache_dir=None: None)
-    monkeypatch.setattr(quant_kernel, "is_preloaded", lambda kernel: True)
-    assert "did not build" in load_quant_kernel()
+    monkeypatch.delenv("INFERENCE_ENGINE_BLAS_REEXEC", raising=False)  # as a process the launcher did not start
+    assert load_quant_kernel().endswith("is not preloaded in this process: the process was not started by the "
+                                        "launcher (`inference-engine serve` or `python -m inference_engine`)")
+    monkeypatch.setattr(blas, "find_openblas", lambda: None)
+    assert "Debian's OpenBLAS is not installed (apt-get install libopenblas0-pthread)" in load_quant_kernel()
+    monkeypatch.setenv("INFERENCE_ENGINE_NO_OPENBLAS", "1")
+    assert load_quant_kernel().endswith("INFERENCE_ENGINE_NO_OPENBLAS=1 (unset it)")
+    monkeypatch.setenv("INFERENCE_ENGINE_BLAS_REEXEC", "1")
+    monkeypatch.delenv("INFERENCE_ENGINE_NO_OPENBLAS")
+    monkeypatch.setattr(blas, "find_openblas", lambda: "/usr/lib/libopenblas.so.0")
+    assert "was set before the launcher ran" in load_quant_kernel()
+    # a kernel that cannot be built is the real cause, named before "not preloaded" (the launcher could not either)
+    monkeypatch.setattr(quant_kernel, "build_kernel", lambda kernel, cache_dir=None: "no C compiler (cc)")
+    assert load_quant_kernel() == "the exact-gemm kernel cannot be built: no C compiler (cc)"
     monkeypatch.setattr(sys, "platform", "darwin")
     assert "this is darwin" in load_quant_kernel()
 
 
+def test_mlx_headers_are_the_wheels_not_a_folder_named_mlx_here(tmp_path, monkeypatch):
+    (tmp_path / "mlx").mkdir()  # e.g. MLX's own cache folder in the current directory
+    monkeypatch.syspath_prepend(str(tmp_path))  # as `python -m` puts the current folder first
+    import mlx
+
+    assert Path(list(mlx.__path__)[0]) == tmp_path / "mlx"  # the namespace package does start there
+    assert quant_kernel._toolchain()[1] == Path(mx.__file__).resolve().parent
+
+
 def test_extension_build_failures_are_reasons(tmp_path, monkeypatch):
     monkeypatch.setenv("CXX", "/nonexistent/c++")
-    assert quant_kernel.extension_path(tmp_path) == "no C++ compiler (/nonexistent/c++)"
+    assert quant_kernel.extension_path(tmp_path) == "no C++ compiler (/nonexistent/c++; apt-get install g++, or set $CXX)"
     monkeypatch.setenv("CXX", "false")  # a compiler that always fails
-    assert quant_kernel.extension_path(tmp_path).startswith("building the extension failed")
+    failed = quant_kernel.extension_path(tmp_path)
+    assert failed.startswith("building the extension with /") and "false failed" in failed
     assert not [p for p in (tmp_path / "native").iterdir() if p.suffix != ".partial" or any(p.iterdir())]
 
 

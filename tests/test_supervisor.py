@@ -208,7 +208,7 @@ def test_sigterm_while_the_spawned_workers_load_stops_them_and_removes_the_token
         server.send_signal(signal.SIGTERM)
         assert server.wait(timeout=30) == 0, log_path.read_text()
         log = log_path.read_text()
-        assert "shutting down while the shard route starts" in log and ") listening on" not in log
+        assert "shutting down while the shard route starts" in log and ") serves at" not in log
         assert not token_file.parent.exists()
         for _ in range(50):  # their SIGTERM was sent, their exit may lag a moment
             if not _processes_naming(token_file):

@@ -2,7 +2,7 @@
 
 Imports only grpc, protobuf and the generated stubs, so a client-only install (no MLX)
 runs it. The server address is --target, else $INFERENCE_ENGINE_ADDRESS, else
-127.0.0.1:50051.
+127.0.0.1:50051; TLS, mTLS and the bearer token as client/connection.py reads them.
 """
 
 from __future__ import annotations
@@ -16,20 +16,22 @@ from typing import Callable, Iterable, Iterator, TextIO
 
 import grpc
 
-from inference_engine.address import ADDRESS_ENV, DEFAULT_ADDRESS
 from inference_engine.client.client import GenerateSettings, RuntimeClient, ServerUnavailable
+from inference_engine.client.connect_errors import explain
+from inference_engine.client.connection import add_connection_flags, client_security
 from inference_engine.v1 import runtime_pb2 as pb
+from inference_engine.version import add_version_flag
 
 COMMANDS = ("chat", "generate")
 MODES = {"plain": pb.DECODE_MODE_GREEDY, "lookup": pb.DECODE_MODE_SPECULATIVE_LOOKUP,
          "draft": pb.DECODE_MODE_SPECULATIVE_DRAFT}
-CHAT_HELP = "/reset starts a new conversation, /quit (or Ctrl-D) leaves, Ctrl-C stops a reply"
-
-
-def _target_default() -> str:
-    import os
-
-    return os.environ.get(ADDRESS_ENV) or DEFAULT_ADDRESS
+CHAT_HELP = "/help lists the commands, /quit (or Ctrl-D) leaves"
+CHAT_COMMANDS = {  # what /help prints; anything else typed is a user turn
+    "/help": "list these commands",
+    "/reset": "start a new conversation (a new session)",
+    "/quit, /exit, Ctrl-D": "leave",
+    "Ctrl-C": "stop the reply being written (at the prompt: leave)",
+}
 
 
 def unsigned(bits: int) -> Callable[[str], int]:
@@ -50,9 +52,7 @@ def unsigned(bits: int) -> Callable[[str], int]:
 
 def add_client_flags(parser: argparse.ArgumentParser) -> None:
     """Flags shared by chat and generate: where the server is and how to generate."""
-    parser.add_argument("--target", default=_target_default(),
-                        help=f"server HOST:PORT (default ${ADDRESS_ENV}, else {DEFAULT_ADDRESS})")
-    parser.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to wait for the server")
+    add_connection_flags(parser)
     parser.add_argument("--system", default=None, help="system message opening the conversation")
     parser.add_argument("--max-new-tokens", type=unsigned(32), default=0, help="tokens per reply (0 = server default)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -64,13 +64,16 @@ def add_client_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--mode", choices=sorted(MODES), default="plain", help="speculative decoding mode")
     parser.add_argument("--stats", action="store_true",
-                        help="print usage to stderr (tokens, time to first token from the request, tok/s)")
+                        help="print usage to stderr: tokens, the time to the first token as you waited for it (from "
+                             "sending the turn, its append included), tok/s")
+    add_version_flag(parser)
 
 
 def add_client_commands(sub: argparse._SubParsersAction) -> None:
     """Register `chat` and `generate` on a subcommand parser."""
     chat = sub.add_parser("chat", help="interactive multi-turn chat with a running server",
-                          description=f"Chat with a running server in one session ({CHAT_HELP}).")
+                          description="Chat with a running server in one session. Commands: "
+                          + "; ".join(f"{k}: {v}" for k, v in CHAT_COMMANDS.items()) + ".")
     add_client_flags(chat)
     gen = sub.add_parser("generate", help="one-shot generation against a running server (for scripts)")
     gen.add_argument("--prompt", required=True, help="the user message (or raw text with --raw)")
@@ -114,18 +117,30 @@ class ReplyClock:
 
 
 def _usage_line(last: pb.GenerateResponse, clock: ReplyClock) -> str:
+    """The --stats line. Two first-token times, each saying what it measures: the one waited for here
+    (from sending the turn, its append included) and the server's (from the Generate call's start)."""
     u = last.usage
     ms = lambda t: f"{(t - clock.start) * 1000:.0f} ms"  # noqa: E731 - since the turn was sent
-    first = f"first token {ms(clock.first_token)}" if clock.first_token is not None else "no token"
+    first = f"first token {ms(clock.first_token)} after sending the turn" if clock.first_token is not None else "no token"
     append = f" (prompt appended in {ms(clock.appended)})" if clock.appended is not None else ""
+    server = f", {u.time_to_first_token_ms:.0f} ms of it in Generate" if clock.first_token is not None else ""
     return (f"[{u.generated_tokens} tokens, {pb.StopReason.Name(last.stop_reason).removeprefix('STOP_REASON_')}, "
-            f"prompt {u.prompt_tokens}, {first}{append}, {u.tokens_per_second:.1f} tok/s, seed {last.seed}]")
+            f"prompt {u.prompt_tokens}, {first}{append}{server}, {u.tokens_per_second:.1f} tok/s, seed {last.seed}]")
 
 
-def stream_reply(stream, out: TextIO) -> pb.GenerateResponse:
+def complete(stream: Iterable[pb.GenerateResponse]) -> Iterator[pb.GenerateResponse]:
+    """A Generate stream's messages up to its last one (the one with a stop reason): a server that
+    drains may end the call with CANCELLED after that message, and the reply is complete all the same."""
+    for msg in stream:
+        yield msg
+        if msg.stop_reason != pb.STOP_REASON_UNSPECIFIED:
+            return  # the call's status is not waited for
+
+
+def stream_reply(stream: Iterable[pb.GenerateResponse], out: TextIO) -> pb.GenerateResponse:
     """Print a Generate stream's text as it arrives; returns its last message."""
     last = pb.GenerateResponse()
-    for msg in stream:
+    for msg in complete(stream):
         if msg.text:
             out.write(msg.text)
             out.flush()
@@ -150,13 +165,14 @@ def run_generate(args: argparse.Namespace, client: RuntimeClient, out: TextIO, e
             last = stream_reply(stream, out)
             out.write("\n")
         else:
-            msgs = list(stream)
+            msgs = list(complete(stream))
             last = msgs[-1]
             result = {
                 "text": "".join(m.text for m in msgs),
                 "tokens": [t for m in msgs for t in m.tokens],
                 "stop_reason": pb.StopReason.Name(last.stop_reason).removeprefix("STOP_REASON_"),
-                "prompt_tokens": list(appended.tokens),
+                "prompt_tokens": last.usage.prompt_tokens,  # the history the reply conditioned on, as in usage
+                "prompt_token_ids": list(appended.tokens),  # what this command appended
                 "history_length": last.history_length,
                 "seed": last.seed,
                 "usage": {f.name: getattr(last.usage, f.name) for f in last.usage.DESCRIPTOR.fields},
@@ -173,12 +189,25 @@ def run_generate(args: argparse.Namespace, client: RuntimeClient, out: TextIO, e
     return 0
 
 
+def serving(info: pb.GetModelInfoResponse) -> str:
+    """What the server computes with, short: "smollm2-135m (q4_1), exact at block 64, exact-gemm kernel 3"."""
+    kernels = info.kernels
+    if " + " in kernels:  # "openblas: PATH + exact-gemm kernel 3 (details)"
+        kernels = kernels.split(" + ", 1)[1].split(" (")[0]
+    elif kernels.startswith("openblas"):
+        kernels = "OpenBLAS"
+    elif kernels.startswith("reference"):
+        kernels = "reference BLAS"
+    mode = f"exact at block {info.block_size}" if info.exact else f"plain blocks of {info.block_size} (not exact)"
+    return f"{info.model_name}, {mode}, {kernels}"
+
+
 def run_chat(args: argparse.Namespace, client: RuntimeClient, info: pb.GetModelInfoResponse, out: TextIO,
              err: TextIO, read: Callable[[str], str]) -> int:
     """The interactive loop: one session, each line a user turn, replies streamed."""
     settings = settings_from_args(args)
     sampling = "greedy" if settings.temperature == 0 else f"temperature {settings.temperature:g}"
-    err.write(f"connected to {client.target}: {info.model_name}, {sampling}; {CHAT_HELP}\n")
+    err.write(f"connected to {client.target}: {serving(info)}; {sampling}; {CHAT_HELP}\n")
     sid, opened = client.create_session(), False
     try:
         while True:
@@ -192,6 +221,12 @@ def run_chat(args: argparse.Namespace, client: RuntimeClient, info: pb.GetModelI
                 continue
             if text in ("/quit", "/exit"):
                 return 0
+            if text == "/help":
+                err.write("".join(f"  {k:<22} {v}\n" for k, v in CHAT_COMMANDS.items()))
+                continue
+            if text.startswith("/") and " " not in text and text not in ("/reset",):
+                err.write(f"[unknown command {text}; /help lists the commands]\n")
+                continue
             if text == "/reset":
                 client.close_session(sid)
                 sid, opened = client.create_session(), False
@@ -231,9 +266,14 @@ def main(argv: list[str], out: TextIO = sys.stdout, err: TextIO = sys.stderr,
          read: Callable[[str], str] = input) -> int:
     """Run `chat` or `generate` (argv starts with the command); returns the exit status."""
     parser = argparse.ArgumentParser(prog="python -m inference_engine")
+    add_version_flag(parser)
     add_client_commands(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
-    client = RuntimeClient(args.target, args.connect_timeout)
+    try:
+        security = client_security(args)
+        client = RuntimeClient(args.target, args.connect_timeout, security)
+    except (ValueError, OSError) as exc:
+        parser.error(str(exc))
     try:
         info = client.connect()
         if args.command == "generate":
@@ -243,7 +283,7 @@ def main(argv: list[str], out: TextIO = sys.stdout, err: TextIO = sys.stderr,
         err.write(f"error: {exc}\n")
         return 1
     except grpc.RpcError as exc:
-        err.write(f"error: {exc.code().name}: {exc.details()}\n")
+        err.write(f"error: {explain(client.target, exc, security)}\n")
         return 1
     finally:
         client.close()

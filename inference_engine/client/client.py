@@ -8,6 +8,9 @@ from typing import Iterator
 
 import grpc
 
+from inference_engine.client.connect_errors import explain, is_connection_failure
+from inference_engine.security.credentials import open_sync_channel
+from inference_engine.security.settings import ClientSecurity
 from inference_engine.v1 import runtime_pb2 as pb
 from inference_engine.v1 import runtime_pb2_grpc as pb_grpc
 
@@ -16,7 +19,7 @@ BUSY_WAIT_S = 10.0  # an append finding the session busy retries this long (a ca
 
 
 class ServerUnavailable(Exception):
-    """No server answered at the target address."""
+    """The server at the target address cannot be reached or used (the message says why)."""
 
 
 @dataclass(frozen=True)
@@ -51,31 +54,43 @@ class GenerateSettings:
 class RuntimeClient:
     """One channel to a server; sessions, appends and streamed generation."""
 
-    def __init__(self, target: str, connect_timeout_s: float = 5.0):
+    def __init__(self, target: str, connect_timeout_s: float = 5.0, security: ClientSecurity | None = None):
         """
         Args:
             target: HOST:PORT of the server.
-            connect_timeout_s: how long `connect` waits for the server to answer.
+            connect_timeout_s: how long `connect` waits for a server that answers but is not ready.
+            security: TLS files and bearer token to present (None: plaintext, no token).
+        Raises:
+            ValueError: a token would travel in clear to a non-loopback address.
+            OSError: a TLS file cannot be read.
         """
         self.target = target
         self.connect_timeout_s = connect_timeout_s
-        self.channel = grpc.insecure_channel(target)
+        self.security = security or ClientSecurity()
+        self.channel = open_sync_channel(target, self.security)
         self.stub = pb_grpc.RuntimeServiceStub(self.channel)
 
     def connect(self) -> pb.GetModelInfoResponse:
-        """Wait for the server and describe its model.
+        """Describe the server's model, failing at once where nothing can be reached.
+
+        A refused connection, a failed TLS handshake or refused credentials end it at once; a server
+        that answers UNAVAILABLE (still loading its model) is asked again until the timeout.
 
         Raises:
-            ServerUnavailable: nothing answered within the timeout.
+            ServerUnavailable: the server cannot be reached or used; the message says why.
         """
-        try:
-            grpc.channel_ready_future(self.channel).result(timeout=self.connect_timeout_s)
-        except grpc.FutureTimeoutError:
-            raise ServerUnavailable(
-                f"no server answers at {self.target} (waited {self.connect_timeout_s:g} s); start one with "
-                "`python -m inference_engine serve`, or pass --target HOST:PORT / set INFERENCE_ENGINE_ADDRESS"
-            ) from None
-        return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=RPC_TIMEOUT_S)
+        give_up = time.monotonic() + self.connect_timeout_s
+        while True:
+            try:
+                return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=max(0.1, give_up - time.monotonic()))
+            except grpc.RpcError as exc:
+                waiting = exc.code() == grpc.StatusCode.UNAVAILABLE and not is_connection_failure(exc)
+                if not waiting or time.monotonic() + 0.2 > give_up:
+                    what = explain(self.target, exc, self.security)
+                    if waiting:
+                        what = f"{what} (still not ready after {self.connect_timeout_s:g} s; --connect-timeout)"
+                    raise ServerUnavailable(what) from None
+            time.sleep(0.2)
 
     def create_session(self) -> str:
         """A new session's id."""
@@ -110,11 +125,11 @@ class RuntimeClient:
         return self.stub.Generate(settings.request(session_id))
 
     def close_session(self, session_id: str) -> None:
-        """Close a session; an already-gone session is fine."""
+        """Close a session; an already-gone session, or a server going away (draining, stopped), is fine."""
         try:
             self.stub.CloseSession(pb.CloseSessionRequest(session_id=session_id), timeout=RPC_TIMEOUT_S)
         except grpc.RpcError as exc:
-            if exc.code() != grpc.StatusCode.NOT_FOUND:
+            if exc.code() not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
                 raise
 
     def close(self) -> None:

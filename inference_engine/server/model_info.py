@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from inference_engine.blas import active_blas
 from inference_engine.config import ServerConfig
 from inference_engine.decoding.logprobs import MAX_TOP_LOGPROBS
+from inference_engine.model.gguf_blocks import has_blocks
 from inference_engine.runtime.engine import Engine
 from inference_engine.text.codec import TextCodec
 
@@ -15,7 +16,7 @@ from inference_engine.text.codec import TextCodec
 class ModelInfo:
     """The served model and what a session may ask of it."""
 
-    model_name: str  # the model folder's name (packaged: its name and form)
+    model_name: str  # the model folder's name (packaged: its name and the weights served, e.g. "(q4_1)")
     vocab_size: int  # token ids are below it
     eos_token_ids: tuple[int, ...]  # the model's EOS ids (a session's default)
     bos_token_id: int | None  # the tokenizer's BOS id, if any
@@ -41,6 +42,17 @@ class ModelInfo:
     layer_attention: tuple[str, ...] = ()  # per layer: "global" or "sliding:N"
 
 
+def engine_weights(engine: Engine) -> str:
+    """What the engine's target computes with: "q4_1" (GGUF blocks) or "fp32"."""
+    return "q4_1" if has_blocks(engine.loaded.model) else "fp32"
+
+
+def serving_label(info: ModelInfo) -> str:
+    """One line naming what serves: weights, exactness and block size, kernels (start-up log)."""
+    mode = f"exact at block size {info.block_size}" if info.is_exact else f"plain blocks of {info.block_size} (not exact)"
+    return f"{info.model_name}, {mode}, {info.kernels}"
+
+
 def describe_model(engine: Engine, cfg: ServerConfig, codec: TextCodec | None) -> ModelInfo:
     """The ModelInfo of a server (call once at start-up: it reads the embedding rows)."""
     from inference_engine.model.loader import model_fingerprint  # the same fingerprint shard workers report
@@ -48,7 +60,8 @@ def describe_model(engine: Engine, cfg: ServerConfig, codec: TextCodec | None) -
     spec = engine.spec
     name = spec.name  # the model folder's name; packaged models live in <cache>/<name>/{fp32,q4}
     if cfg.model.startswith("packaged:") and name in ("fp32", "q4"):
-        name = f"{cfg.model.removeprefix('packaged:')} ({name})"
+        form = "q4_1" if engine_weights(engine) == "q4_1" else name  # q4_1 blocks are loaded via the fp32 folder
+        name = f"{cfg.model.removeprefix('packaged:')} ({form})"
     return ModelInfo(
         model_name=name, vocab_size=spec.vocab_size, eos_token_ids=spec.eos_token_ids,
         bos_token_id=codec.bos_token_id if codec else None, has_tokenizer=codec is not None,

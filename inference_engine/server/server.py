@@ -25,6 +25,7 @@ from inference_engine.config import ServerConfig
 from inference_engine.errors import RuntimeServiceError
 from inference_engine.gc_freeze import freeze_startup_objects
 from inference_engine.model.gguf_blocks import has_blocks
+from inference_engine.server.model_info import engine_weights, serving_label
 from inference_engine.model.loader import LoadedModel, load_model, model_fingerprint
 from inference_engine.model.packaged import DRAFT_MODEL, resolve_model_path
 from inference_engine.process_exit import exit_now, stop_event, wait_for_stop_signal
@@ -92,16 +93,15 @@ def build_engine(cfg: ServerConfig, loaded: LoadedModel | None = None) -> Engine
         engine = engine_for(load_served_model(cfg.model, "fp32", cfg.cache_dir).loaded)
     elif served is not None and served.weights == "q4_1":
         log.info("weights: q4_1 (the GGUF's blocks; the probe found them bitwise equal to the fp32 kernel)")
+    if engine.is_exact and engine.block == 1:
+        log.warning("DEGRADED: exact at block size 1, one token per forward (slow prefill): %s is not row-invariant "
+                    "beyond one row. The exact-gemm kernel is: install OpenBLAS (apt-get install libopenblas0-pthread) "
+                    "and a C compiler, and start with `inference-engine serve`", active_blas())
     cost = engine.verify_row_cost = measure_verify_row_cost(engine)
     log.info("a verification row costs %.2f of a one-row step: prompt lookup %s single-token matches", cost,
              "proposes" if cost <= CHEAP_ROW else "skips")
     release_start_up_memory()
     return engine
-
-
-def engine_weights(engine: Engine) -> str:
-    """What the engine's target computes with: "q4_1" (GGUF blocks) or "fp32"."""
-    return "q4_1" if has_blocks(engine.loaded.model) else "fp32"
 
 
 async def connect_shards(cfg: ServerConfig, engine: Engine) -> tuple[ShardRoute | None, WorkerSupervisor | None]:
@@ -251,6 +251,7 @@ async def _serve_engine(cfg: ServerConfig, engine: Engine, frontend: Frontend, s
         await frontend.attach(runtime)
         if http is not None:
             http.attach(runtime)
+        log.info("serving %s", serving_label(frontend.servicer.model_info))
         announce(cfg.host, frontend.port)
         await wait_for_stop_signal(stop=stop)
         log.info("shutting down: NOT_SERVING, ending streams, draining in-flight RPCs for up to %.1fs", cfg.grace_s)

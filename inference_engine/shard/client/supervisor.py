@@ -20,12 +20,12 @@ import logging
 import os
 import secrets
 import shutil
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from inference_engine.launch import module_command
 from inference_engine.readiness import wait_ready_async
 from inference_engine.security.settings import ClientSecurity
 from inference_engine.security.spawn_pki import SpawnPki, make_spawn_pki
@@ -115,8 +115,8 @@ class WorkerSupervisor:
         """Start worker `i` on `port` (0 = any) and wait for its readiness line; returns its port."""
         f = self.flags
         # Shielded: a start cancelled while the process is being created still learns of it (and stops it).
-        creating = asyncio.ensure_future(asyncio.create_subprocess_exec(
-            sys.executable, "-m", "inference_engine", "shard-worker", "--layers", self.layer_ranges[i],
+        command, env = module_command(  # this server's copy of the package, never the current folder's
+            "shard-worker", "--layers", self.layer_ranges[i],
             "--host", f.host, "--port", str(port), "--model", f.model, "--weights", f.weights, "--block", str(f.block),
             "--max-sessions", str(f.max_sessions),
             "--max-sink", str(f.max_sink), "--max-window", str(f.max_window),
@@ -124,7 +124,9 @@ class WorkerSupervisor:
             "--auth-token-file", str(self.token_file),  # the route's token, over mTLS with the route's certificate
             "--tls-cert", str(self.pki.worker_cert), "--tls-key", str(self.pki.worker_key),
             "--tls-client-ca", str(self.pki.ca),
-            stdout=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL,
+        )
+        creating = asyncio.ensure_future(asyncio.create_subprocess_exec(
+            *command, env=env, stdout=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL,
         ))
         try:
             proc = await asyncio.shield(creating)
@@ -138,7 +140,7 @@ class WorkerSupervisor:
             address = await wait_ready_async(proc, READY_TIMEOUT_S)
         except OSError as exc:
             raise OSError(f"shard worker {self.layer_ranges[i]} did not start ({exc})") from exc
-        log.info("shard worker %s (pid %d) listening on %s", self.layer_ranges[i], proc.pid, address)
+        log.info("shard worker %s (pid %d) serves at %s", self.layer_ranges[i], proc.pid, address)
         return int(address.rsplit(":", 1)[1])
 
     async def _watch(self, i: int) -> None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from inference_engine.config import DEFAULT_MAX_TILE, add_weights_flag, default_cache_dir
+from inference_engine.flag_ranges import FlagRange, check_ranges
 from inference_engine.model.packaged import DEFAULT_MODEL
 from inference_engine.security.flags import add_server_security_flags, check_exposure, server_security_from_args
 from inference_engine.security.settings import ServerSecurity
@@ -42,17 +43,20 @@ def add_worker_flags(parser: argparse.ArgumentParser) -> None:
     """Register the flags that build a ShardWorkerConfig."""
     d = ShardWorkerConfig(layers=LayerRange(0, 1))
     parser.add_argument("--layers", required=True, help="blocks START:END this worker runs, e.g. 0:10")
-    parser.add_argument("--host", default=d.host)
-    parser.add_argument("--port", type=int, default=d.port, help="0 = pick a free port")
-    parser.add_argument("--model", default=d.model, help="packaged model name or an mlx-lm folder")
+    parser.add_argument("--host", default=d.host, help="address to bind")
+    parser.add_argument("--port", type=int, default=d.port, help="port to bind, 0..65535; 0 = pick a free port")
+    parser.add_argument("--model", default=d.model,
+                        help="packaged model name (`python -m inference_engine models`) or an mlx-lm folder")
     add_weights_flag(parser, d.weights)
     parser.add_argument("--block", type=int, default=d.block, help="rows per chunk; 0 = probe the exact tile")
-    parser.add_argument("--max-tile", type=int, default=d.max_tile)
-    parser.add_argument("--max-rollback", type=int, default=d.max_rollback)
-    parser.add_argument("--max-sessions", type=int, default=d.max_sessions)
-    parser.add_argument("--max-sink", type=int, default=d.max_sink)
-    parser.add_argument("--max-window", type=int, default=d.max_window)
-    parser.add_argument("--max-credits", type=int, default=d.max_credits)
+    parser.add_argument("--max-tile", type=int, default=d.max_tile, help="largest block size the probe tries")
+    parser.add_argument("--max-rollback", type=int, default=d.max_rollback,
+                        help="most trailing tokens a verification may drop (the front server's --max-rollback)")
+    parser.add_argument("--max-sessions", type=int, default=d.max_sessions, help="sessions' caches this worker holds")
+    parser.add_argument("--max-sink", type=int, default=d.max_sink, help="largest sink a session may have")
+    parser.add_argument("--max-window", type=int, default=d.max_window, help="largest window a session may have")
+    parser.add_argument("--max-credits", type=int, default=d.max_credits,
+                        help="most work frames in flight per session (flow control, 1 or more)")
     parser.add_argument("--grace", type=float, default=d.grace_s, help="seconds to drain RPCs on SIGTERM")
     parser.add_argument("--parent-pid", type=int, default=d.parent_pid,
                         help="shut down (as on SIGTERM) once this process is gone; the supervising server passes its own")
@@ -73,20 +77,17 @@ def worker_config_from_args(args: argparse.Namespace) -> ShardWorkerConfig:
         max_credits=args.max_credits, grace_s=args.grace, parent_pid=args.parent_pid,
         security=server_security_from_args(args),
     )
-    checks = {
-        "--port": 0 <= cfg.port <= 65535,
-        "--block": cfg.block >= 0,
-        "--max-tile": cfg.max_tile >= 1,
-        "--max-rollback": cfg.max_rollback >= 0,
-        "--max-sessions": cfg.max_sessions >= 1,
-        "--max-window": cfg.max_window >= 1,
-        "--max-sink": cfg.max_sink >= 0,
-        "--max-credits": cfg.max_credits >= 1,
-        "--grace": cfg.grace_s >= 0,
-        "--parent-pid": cfg.parent_pid >= 0,
-    }
-    bad = [flag for flag, ok in checks.items() if not ok]
-    if bad:
-        raise ValueError(f"out-of-range flags: {', '.join(bad)}")
+    check_ranges([
+        FlagRange("--port", cfg.port, 0, 65535),
+        FlagRange("--block", cfg.block, 0),
+        FlagRange("--max-tile", cfg.max_tile, 1),
+        FlagRange("--max-rollback", cfg.max_rollback, 0),
+        FlagRange("--max-sessions", cfg.max_sessions, 1),
+        FlagRange("--max-window", cfg.max_window, 1),
+        FlagRange("--max-sink", cfg.max_sink, 0),
+        FlagRange("--max-credits", cfg.max_credits, 1),
+        FlagRange("--grace", cfg.grace_s, 0),
+        FlagRange("--parent-pid", cfg.parent_pid, 0),
+    ])
     check_exposure(cfg.host, cfg.security)
     return cfg

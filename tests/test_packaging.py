@@ -1,0 +1,121 @@
+"""One source of truth for the pins, and a package that declares what it imports.
+
+requirements.txt pins what the project runs with; pyproject.toml's extras must pin the same versions
+(the exact bits depend on the MLX build), and every third-party module the package imports must be
+installed by the extra that its code needs: the client by the base install, the server by [server],
+the reliability battery by [dev].
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata as md
+import sys
+import tomllib
+from pathlib import Path
+
+from packaging.markers import default_environment
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "inference_engine"
+PROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+OPTIONAL = {"coverage"}  # process_exit saves a measured run's coverage when coverage is there (tests only)
+CLIENT_MODULES = ("client/__init__.py", "client/cli.py", "client/client.py", "client/connection.py",
+                  "client/connect_errors.py", "address.py", "launch.py", "version.py", "__main__.py",
+                  "security/__init__.py", "security/settings.py", "security/credentials.py", "security/tokens.py")
+
+
+def _requirements_txt() -> dict[str, Requirement]:
+    """requirements.txt's runtime, operator, shard, kernel, stub and test pins (the bench's own file is apart)."""
+    reqs = [Requirement(line.split("#")[0].strip()) for line in (REPO / "requirements.txt").read_text().splitlines()
+            if line.split("#")[0].strip()]
+    return {f"{canonicalize_name(r.name)} {r.marker}": r for r in reqs}
+
+
+def _extra(name: str) -> dict[str, Requirement]:
+    reqs = [Requirement(text) for text in PROJECT["optional-dependencies"][name]]
+    return {f"{canonicalize_name(r.name)} {r.marker}": r for r in reqs if canonicalize_name(r.name) != "inference-engine"}
+
+
+def test_extras_pin_exactly_what_requirements_txt_pins():
+    pinned = _requirements_txt()
+    server, dev = _extra("server"), _extra("dev")
+    assert not set(server) & set(dev), "a pin belongs to one extra"
+    declared = {**server, **dev}
+    assert sorted(declared) == sorted(pinned), "requirements.txt and the [server] + [dev] extras list other packages"
+    for key, req in declared.items():
+        assert (str(req.specifier), req.extras) == (str(pinned[key].specifier), pinned[key].extras), key
+        assert str(req.specifier).startswith("=="), f"{key}: pin an exact version"
+    assert "inference_engine[server]" in PROJECT["optional-dependencies"]["dev"]
+    for text in PROJECT["dependencies"]:  # the client's floors admit the server's pins
+        req = Requirement(text)
+        server_pin = next(r for r in server.values() if canonicalize_name(r.name) == canonicalize_name(req.name))
+        assert req.specifier.contains(next(iter(server_pin.specifier)).version), text
+
+
+def _imports(path: Path) -> set[str]:
+    """Dotted names of the third-party modules a file imports (lazy imports included)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return {n for n in names if n.split(".")[0] not in sys.stdlib_module_names and n.split(".")[0] != "inference_engine"}
+
+
+def _owner(module: str) -> str:
+    """The distribution whose files hold `module` (namespace packages such as `google` span several)."""
+    candidates = md.packages_distributions()[module.split(".")[0]]
+    parts = tuple(module.split("."))
+    for dist in candidates:
+        for f in md.distribution(dist).files or ():
+            stem = Path(f).with_suffix("").parts if Path(f).suffix == ".py" else Path(f).parts
+            if stem[: len(parts)] == parts or (stem[: len(parts) - 1] == parts[:-1] and len(stem) == len(parts)
+                                                and stem[-1].split(".")[0] == parts[-1]):
+                return canonicalize_name(dist)
+    return canonicalize_name(candidates[0])
+
+
+def _installed_by(requirements: list[Requirement]) -> set[str]:
+    """Distributions these requirements install directly, with the ones their extras name (mlx[cpu]: mlx-cpu)."""
+    env = default_environment()
+    names: set[str] = set()
+    for req in requirements:
+        if req.marker is not None and not req.marker.evaluate(env):
+            continue
+        names.add(canonicalize_name(req.name))
+        for extra in req.extras:
+            for dep in map(Requirement, md.requires(req.name) or ()):
+                if dep.marker is not None and dep.marker.evaluate({**env, "extra": extra}) and \
+                        not dep.marker.evaluate({**env, "extra": ""}):
+                    names.add(canonicalize_name(dep.name))
+    return names
+
+
+def test_every_import_is_declared_by_the_install_that_runs_it():
+    base = [Requirement(t) for t in PROJECT["dependencies"]]
+    server = base + list(_extra("server").values())
+    dev = server + list(_extra("dev").values())
+    installs = {"client": _installed_by(base), "server": _installed_by(server), "dev": _installed_by(dev)}
+    missing = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).as_posix()
+        install = "client" if rel in CLIENT_MODULES or rel.startswith("v1/") else \
+            "dev" if rel.startswith("client/reliability/") else "server"
+        for module in sorted(_imports(path)):
+            if module.split(".")[0] in OPTIONAL:
+                continue
+            owner = _owner(module)
+            if owner not in installs[install]:
+                missing.append(f"{rel} imports {module} ({owner}), not installed by the {install} install")
+    assert not missing, "\n".join(missing)
+    assert {"grpcio-status", "googleapis-common-protos", "prometheus-client", "nanobind"} <= installs["server"]
+
+
+def test_the_wheel_carries_every_native_source():
+    data = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["inference_engine"]
+    native = sorted(p.name for p in (PACKAGE / "native").iterdir())
+    assert native and all(any(Path("native", name).match(pattern) for pattern in data) for name in native), native
