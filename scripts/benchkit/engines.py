@@ -328,16 +328,54 @@ def start_mlx_lm(plan: Plan, prompts: Prompts, model_dir: Path) -> Contender:
 # ---------------------------------------------------------------------------- llama.cpp
 
 
+# A llama-cpp-python built with -march=native crashed (SIGSEGV in llama_decode) on Xeon CPUs with AMX in
+# these VMs; built with GGML_NATIVE=OFF and explicit x86 flags it runs (requirements-bench.txt, docs/performance.md).
+PORTABLE_BUILD = ('CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON '
+                  '-DGGML_AVX512=ON" pip install --no-binary llama-cpp-python -r requirements-bench.txt')
+# Loads the GGUF, prefills and decodes a few tokens: what the bench then does in its own process.
+LLAMA_PROBE = """
+import sys, llama_cpp
+llm = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=256, n_batch=64, seed=0, verbose=False)
+tokens = llm.tokenize(b"The capital of France is")
+for i, _ in enumerate(llm.generate(tokens, temp=0.0, top_k=1)):
+    if i == 3:
+        break
+"""
+
+
+def probe_llama_cpp(gguf: Path, code: str = LLAMA_PROBE, timeout_s: float = 300) -> str:
+    """Run llama.cpp once in a child process: "" when it decodes, else why it is unavailable (a crash
+    there, such as a SIGSEGV in llama_decode, would otherwise end the bench itself)."""
+    import signal
+
+    try:
+        done = subprocess.run([sys.executable, "-c", code, str(gguf)], capture_output=True, text=True,
+                              timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return f"llama.cpp did not decode 4 tokens within {timeout_s:g} s in a probe process"
+    if done.returncode < 0:
+        name = signal.Signals(-done.returncode).name
+        return (f"llama.cpp crashed ({name}) decoding in a probe process; a build for this CPU may help: "
+                f"{PORTABLE_BUILD}")
+    if done.returncode != 0:
+        return f"llama.cpp failed in a probe process (exit {done.returncode}): {done.stderr.strip()[-500:]}"
+    return ""
+
+
 def start_llama_cpp(plan: Plan, prompts: Prompts, gguf: Path, stack: ExitStack) -> Contender | str:
     """llama-cpp-python on the GGUF the model was converted from (optional dependency).
 
     Returns:
-        The contender, or why llama.cpp is unavailable.
+        The contender, or why llama.cpp is unavailable (not installed, or it fails or crashes in a probe
+        process first: the bench never crashes with it).
     """
     try:
         import llama_cpp
     except Exception as exc:  # noqa: BLE001 - any import failure means "unavailable"
         return f"llama-cpp-python not importable ({type(exc).__name__}: {exc}); pip install -r requirements-bench.txt"
+    crashed = probe_llama_cpp(gguf)
+    if crashed:
+        return crashed
     try:
         llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=2048, n_batch=512, n_threads=os.cpu_count(),
                               seed=0, verbose=False)
