@@ -54,16 +54,8 @@ def _server_parsers(sub: argparse._SubParsersAction) -> bool:
     return True
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Parse the command line and run the chosen command; returns the exit status."""
-    argv = sys.argv[1:] if argv is None else argv
-    if argv == ["models"]:  # data only: no MLX, no BLAS re-exec
-        print(list_models())
-        return 0
-    if argv and argv[0] in CLIENT_COMMANDS:  # the client: no MLX, no BLAS re-exec
-        from inference_engine.client.cli import main as client_main
-
-        return client_main(argv)
+def build_parser() -> tuple[argparse.ArgumentParser, bool]:
+    """The launcher's parser with every command; whether the server's packages are installed."""
     parser = argparse.ArgumentParser(prog="python -m inference_engine")
     add_version_flag(parser)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -74,6 +66,20 @@ def main(argv: list[str] | None = None) -> int:
     from inference_engine.client.cli import add_client_commands
 
     add_client_commands(sub)
+    return parser, has_server
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the command line and run the chosen command; returns the exit status."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv == ["models"]:  # data only: no MLX, no BLAS re-exec
+        print(list_models())
+        return 0
+    if argv and argv[0] in CLIENT_COMMANDS:  # the client: no MLX, no BLAS re-exec
+        from inference_engine.client.cli import main as client_main
+
+        return client_main(argv)
+    parser, has_server = build_parser()
     args = parser.parse_args(argv)
     if not has_server:
         parser.error(f"`{args.command}` needs the server install: pip install 'inference_engine[server]'")
