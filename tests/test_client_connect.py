@@ -6,6 +6,7 @@ import contextlib
 import io
 import json
 import socket
+from pathlib import Path
 
 import grpc
 import pytest
@@ -124,3 +125,40 @@ def test_a_drain_after_the_last_message_is_not_an_error():
 
     with pytest.raises(_Cancelled):
         list(complete(cut()))
+
+
+class _Error(grpc.RpcError):
+    """Fixture: an RpcError with a given code and details, as grpc raises them."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        self._code, self._details = code, details
+
+    def code(self):
+        return self._code
+
+    def details(self):
+        return self._details
+
+
+def test_every_kind_of_failure_has_its_words():
+    from inference_engine.client.connect_errors import explain
+    from inference_engine.security.settings import ClientSecurity
+
+    plain, tls = ClientSecurity(), ClientSecurity(ca_file=Path("ca.pem"))
+    unavailable = grpc.StatusCode.UNAVAILABLE
+    cases = [
+        (_Error(grpc.StatusCode.PERMISSION_DENIED, "not yours"), plain, "PERMISSION_DENIED: not yours"),
+        (_Error(grpc.StatusCode.INVALID_ARGUMENT, "top_k too big"), plain, "INVALID_ARGUMENT: top_k too big"),
+        (_Error(unavailable, "the server is starting (the model is still loading); retry shortly"), plain,
+         "UNAVAILABLE: the server is starting (the model is still loading); retry shortly"),
+        (_Error(unavailable, "errors resolving nowhere:1: Domain name not found"), plain,
+         "cannot resolve h:1: errors resolving nowhere:1: Domain name not found"),
+        (_Error(unavailable, "failed to connect to all addresses; last error: Tls handshake failed (X): SSL_ERROR_SSL: "
+                             "NO_SHARED_CIPHER: OK"), tls, "TLS handshake with h:1 failed: check --tls-ca"),
+        (_Error(unavailable, "failed to connect to all addresses; last error: UNKNOWN: h:1: Connection reset"), tls,
+         "h:1 closed the connection while it was being set up: the server may require a client certificate"),
+        (_Error(unavailable, "failed to connect to all addresses; last error: UNKNOWN: h:1: No route to host"), plain,
+         "cannot connect to h:1: failed to connect"),
+    ]
+    for exc, security, words in cases:
+        assert explain("h:1", exc, security).startswith(words), (words, explain("h:1", exc, security))

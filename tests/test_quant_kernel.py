@@ -281,3 +281,16 @@ def test_build_engine_falls_back_to_fp32_when_the_kernel_differs(served_tiny, ca
         assert "the q4_1 kernel differs from the fp32 kernel (128->64: M=" in caplog.text
     finally:
         engine.close()
+
+
+def test_an_incomplete_install_is_named(tmp_path, monkeypatch):
+    """A package missing its native sources (the wheel once shipped the .c files alone) says so."""
+    (tmp_path / "exact_gemm.c").write_text("")
+    monkeypatch.setattr(quant_kernel, "_NATIVE", tmp_path)
+    monkeypatch.setattr(blas, "_NATIVE", tmp_path)
+    why = quant_kernel.extension_path(tmp_path / "cache")
+    assert why == (f"exact_quant.cpp, exact_attention.cpp, exact_layer.cpp missing from {tmp_path} (an incomplete "
+                   "install: reinstall inference_engine)")
+    assert blas.build_kernel("row_gemv", tmp_path / "cache") == (
+        f"its source {tmp_path / 'row_gemv.c'} is missing from the installed package (reinstall inference_engine)")
+    assert blas.build_kernel("openblas", tmp_path / "cache") is None
