@@ -162,3 +162,35 @@ def test_every_kind_of_failure_has_its_words():
     ]
     for exc, security, words in cases:
         assert explain("h:1", exc, security).startswith(words), (words, explain("h:1", exc, security))
+
+
+async def test_a_server_still_loading_is_waited_for_then_named():
+    from inference_engine.client.client import RuntimeClient, ServerUnavailable
+    from inference_engine.server.frontend import open_frontend
+
+    frontend = await open_frontend(make_config(), "127.0.0.1", 0)  # bound, no model attached: UNAVAILABLE
+    try:
+        client = RuntimeClient(f"127.0.0.1:{frontend.port}", connect_timeout_s=0.5)
+        with pytest.raises(ServerUnavailable) as err:
+            await asyncio.to_thread(client.connect)
+        client.close()
+    finally:
+        await frontend.server.stop(None)
+    assert str(err.value) == ("UNAVAILABLE: the server is starting (the model is still loading); retry shortly "
+                              "(still not ready after 0.5 s; --connect-timeout)")
+
+
+def test_the_banner_names_weights_mode_block_and_kernel():
+    from inference_engine.server.model_info import ModelInfo, serving_label
+
+    info = pb.GetModelInfoResponse(model_name="m (q4_1)", exact=True, block_size=64,
+                                   kernels="openblas: /usr/lib/libopenblas.so.0 + exact-gemm kernel 3 (max rows 64)")
+    assert cli.serving(info) == "m (q4_1), exact at block 64, exact-gemm kernel 3"
+    info.kernels, info.exact = "openblas: /usr/lib/libopenblas.so.0", False
+    assert cli.serving(info) == "m (q4_1), plain blocks of 64 (not exact), OpenBLAS"
+    info.kernels = "reference: MLX bundled"
+    assert cli.serving(info).endswith(", reference BLAS")
+    fields = {f: 0 for f in ModelInfo.__dataclass_fields__}
+    label = serving_label(ModelInfo(**{**fields, "model_name": "m (fp32)", "is_exact": True, "block_size": 1,
+                                       "kernels": "reference: MLX bundled"}))
+    assert label == "m (fp32), exact at block size 1, reference: MLX bundled"

@@ -74,3 +74,16 @@ def test_models_lists_the_packaged_names(capsys):
     assert "mlx-lm folder" in lines[-1]
     with pytest.raises(ValueError, match=f"--model packaged:nope is not a packaged model; packaged models: {DEFAULT_MODEL}"):
         resolve_model_path("packaged:nope", Path("/nonexistent-cache"))
+
+
+def test_exact_at_block_size_1_is_a_degraded_start(tiny, caplog):
+    from inference_engine.server.server import build_engine
+
+    engine = build_engine(config_mod.ServerConfig(max_tile=1, draft_model=None), loaded=tiny)
+    try:
+        assert engine.block == 1
+    finally:
+        engine.close()
+    warning = next(r for r in caplog.records if r.levelname == "WARNING" and "DEGRADED" in r.getMessage())
+    assert "exact at block size 1, one token per forward" in warning.getMessage()
+    assert "apt-get install libopenblas0-pthread" in warning.getMessage()
