@@ -40,10 +40,19 @@ def block_commands(text: str) -> list[list[str]]:
     """The launcher commands of every ```bash block, continuation lines joined."""
     found = []
     for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        pending = ""
         for line in block.replace("\\\n", " ").splitlines():
-            argv = _argv(shlex.split(line, comments=True))
+            pending += line
+            try:
+                words = shlex.split(pending, comments=True)
+            except ValueError:  # a quoted string goes on over the next line (a JSON body)
+                pending += "\n"
+                continue
+            pending = ""
+            argv = _argv(words)
             if argv is not None:
                 found.append(argv)
+        assert not pending, f"unclosed quote in a bash block: {pending[:80]}"
     return found
 
 
