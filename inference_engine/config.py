@@ -68,7 +68,7 @@ class ServerConfig:
     # -- the OpenAI-compatible HTTP API (docs/openai.md)
     http_port: int = 0  # port of the HTTP API on `host` (same TLS and tokens as gRPC); 0 = no HTTP API
     prefix_cache_bytes: int = 1 << 29  # K/V bytes of sessions the HTTP API keeps for prefix reuse (0 = none kept)
-    # -- session snapshots and persistence (README: "Session snapshots")
+    # -- session snapshots and persistence (docs/snapshots.md)
     snapshot_dir: Path | None = None  # where SnapshotSession(to_dir) writes and RestoreSession(file) reads
     max_snapshot_bytes: int = 1 << 30  # largest snapshot RestoreSession accepts (its header's size, checked first)
     max_transfers: int = 4  # SnapshotSession/RestoreSession calls running at once (each holds one snapshot)

@@ -1,4 +1,4 @@
-"""The README's shard example, run exactly as written: three workers and a server on fixed ports."""
+"""docs/shards.md's shard example, run exactly as written: three workers and a server on fixed ports."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ PROMPT = np.random.default_rng(21).integers(0, 49152, 30).tolist()
 
 def readme_shard_lines() -> list[str]:
     """The shard example's command lines up to its "# or" alternative."""
-    section = ROOT.joinpath("README.md").read_text().split("## Distributed shards", 1)[1]
+    section = ROOT.joinpath("docs", "shards.md").read_text().split("# Distributed shards", 1)[1]
     block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
     return block.split("\n# or")[0].strip().splitlines()
 

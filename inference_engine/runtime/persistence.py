@@ -1,6 +1,6 @@
 """`serve --persist-sessions DIR`: live sessions survive a restart, a deploy or a crash.
 
-Policy (README: "Persistence"):
+Policy (docs/snapshots.md: "Persistence"):
 - One file per session, `DIR/session-<short id>.iesnap`, in the snapshot format, carrying the
   session's id, owner and creation time.
 - A session is written when it has `--persist-every N` completed calls not yet written

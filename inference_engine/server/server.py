@@ -148,7 +148,7 @@ async def connect_shards(cfg: ServerConfig, engine: Engine) -> tuple[ShardRoute 
 
 async def _reach(route: ShardRoute, wait_s: float) -> None:
     """Connect the route, waiting up to `wait_s` for workers still starting: `--shards` workers
-    started with the server (the README's example) may load their layers longer than it does."""
+    started with the server (docs/shards.md's example) may load their layers longer than it does."""
     deadline = time.monotonic() + wait_s
     while True:
         try:

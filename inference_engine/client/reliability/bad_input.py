@@ -3,7 +3,7 @@
 Each row names the request, the code it must get, the ErrorInfo reason and (on
 INVALID_ARGUMENT) the BadRequest field. After every row the sessions it could touch must
 be exactly as before (history length and digest), and the server must still answer.
-Bounds not reported by GetModelInfo are the documented ones (README, proto comments).
+Bounds not reported by GetModelInfo are the documented ones (docs/serving.md, proto comments).
 """
 
 from __future__ import annotations

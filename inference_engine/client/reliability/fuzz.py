@@ -45,7 +45,7 @@ from inference_engine.security.settings import ClientSecurity
 from inference_engine.v1 import runtime_pb2 as pb
 from inference_engine.v1 import runtime_pb2_grpc as pb_grpc
 
-# The codes each method may answer a fuzzed request with (README "Errors"); DEADLINE_EXCEEDED is our own deadline.
+# The codes each method may answer a fuzzed request with (docs/serving.md "Errors"); DEADLINE_EXCEEDED is our own deadline.
 DOCUMENTED: dict[str, frozenset[str]] = {
     "CreateSession": frozenset({"OK", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"}),
     "AppendTokens": frozenset({"OK", "INVALID_ARGUMENT", "NOT_FOUND", "FAILED_PRECONDITION", "ABORTED", "DEADLINE_EXCEEDED",

@@ -1,6 +1,6 @@
 """How a call ended, read only from what a client receives: the code and the google.rpc.Status.
 
-The README's "Errors" section is the contract checked here: every error the server makes is
+The "Errors" section of docs/serving.md is the contract checked here: every error the server makes is
 typed (an ErrorInfo of domain `inference_engine` whose reason belongs to the code, a RetryInfo
 exactly on the codes worth retrying), never UNKNOWN, never INTERNAL for a client's mistake.
 A few codes come from the transport itself, without details: a client's own deadline or
@@ -19,7 +19,7 @@ from google.rpc import error_details_pb2, status_pb2
 
 DOMAIN = "inference_engine"  # ErrorInfo.domain of every error the server makes
 C = grpc.StatusCode
-# ErrorInfo.reason -> the code it comes with (README "Errors"; server/status_codes.py).
+# ErrorInfo.reason -> the code it comes with (docs/serving.md "Errors"; server/status_codes.py).
 REASON_CODES: dict[str, grpc.StatusCode] = {
     "INVALID_REQUEST": C.INVALID_ARGUMENT,
     "MALFORMED_REQUEST": C.INVALID_ARGUMENT,
