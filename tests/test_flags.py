@@ -71,9 +71,9 @@ def test_models_lists_the_packaged_names(capsys):
 
     assert main(["models"]) == 0  # no re-exec, no model loaded: a list
     lines = capsys.readouterr().out.splitlines()
-    assert [line.split()[0] for line in lines[:-1]] == list(PACKAGED_MODELS) and DEFAULT_MODEL in lines[0]
+    assert [line.split()[0] for line in lines[:-1]] == [m.name for m in PACKAGED_MODELS] and DEFAULT_MODEL in lines[0]
     assert "mlx-lm folder" in lines[-1]
-    with pytest.raises(ValueError, match=f"--model packaged:nope is not a packaged model; packaged models: {DEFAULT_MODEL}"):
+    with pytest.raises(ValueError, match=f"unknown packaged model 'packaged:nope'; packaged models: {DEFAULT_MODEL}"):
         resolve_model_path("packaged:nope", Path("/nonexistent-cache"))
 
 

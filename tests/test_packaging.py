@@ -39,12 +39,16 @@ def _extra(name: str) -> dict[str, Requirement]:
     return {f"{canonicalize_name(r.name)} {r.marker}": r for r in reqs if canonicalize_name(r.name) != "inference-engine"}
 
 
+MODEL_EXTRAS = [name for name in PROJECT["optional-dependencies"] if name not in ("server", "dev")]  # model wheels
+
+
 def test_extras_pin_exactly_what_requirements_txt_pins():
     pinned = _requirements_txt()
     server, dev = _extra("server"), _extra("dev")
-    assert not set(server) & set(dev), "a pin belongs to one extra"
-    declared = {**server, **dev}
-    assert sorted(declared) == sorted(pinned), "requirements.txt and the [server] + [dev] extras list other packages"
+    models = {k: r for name in MODEL_EXTRAS for k, r in _extra(name).items()}
+    assert not set(server) & set(dev) and not set(models) & (set(server) | set(dev)), "a pin belongs to one extra"
+    declared = {**server, **dev, **models}
+    assert sorted(declared) == sorted(pinned), "requirements.txt and the extras list other packages"
     for key, req in declared.items():
         assert (str(req.specifier), req.extras) == (str(pinned[key].specifier), pinned[key].extras), key
         assert str(req.specifier).startswith("=="), f"{key}: pin an exact version"
@@ -97,7 +101,7 @@ def _installed_by(requirements: list[Requirement]) -> set[str]:
 
 def test_every_import_is_declared_by_the_install_that_runs_it():
     base = [Requirement(t) for t in PROJECT["dependencies"]]
-    server = base + list(_extra("server").values())
+    server = base + list(_extra("server").values()) + [r for n in MODEL_EXTRAS for r in _extra(n).values()]
     dev = server + list(_extra("dev").values())
     installs = {"client": _installed_by(base), "server": _installed_by(server), "dev": _installed_by(dev)}
     missing = []
