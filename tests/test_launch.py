@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import sysconfig
 import tomllib
 from pathlib import Path
 
@@ -24,12 +25,11 @@ def _decoy_folder(tmp_path: Path) -> Path:
 
 def test_module_command_runs_with_safe_path_and_names_this_copy(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", "/elsewhere")
-    monkeypatch.setattr(sys, "path", [str(REPO), "/usr/lib/python3.11"])  # as `python -m` from the checkout
-    argv, env = launch.module_command("serve", "--port", "0")
+    argv, env = launch.module_command("serve", "--port", "0")  # this copy is a checkout
     assert argv == [sys.executable, "-P", "-m", "inference_engine", "serve", "--port", "0"]
     assert env["PYTHONPATH"] == f"{REPO}{os.pathsep}/elsewhere"  # the checkout first, then what was there
-    monkeypatch.setattr(sys, "path", ["/venv/bin", str(REPO)])  # installed: already on the path
-    assert launch.module_command()[1]["PYTHONPATH"] == "/elsewhere"
+    monkeypatch.setattr(launch, "PACKAGE_ROOT", Path(sysconfig.get_paths()["purelib"]).resolve())  # installed
+    assert launch.module_command()[1]["PYTHONPATH"] == "/elsewhere"  # found there by the child itself
 
 
 def test_the_launcher_reexec_runs_this_copy_from_a_folder_holding_another(tmp_path):
