@@ -55,8 +55,8 @@ def _batch_variant(block):
     computed alone are untouched.
     """
 
-    def variant(layer, h, positions, segments, i, native):
-        out = block(layer, h, positions, segments, i, native)  # (1, R, hidden)
+    def variant(layer, family, h, positions, segments, i, native):
+        out = block(layer, family, h, positions, segments, i, native)  # (1, R, hidden)
         if i != 0 or len(segments) < 2:
             return out
         first = (mx.arange(out.shape[-1]) == 0).astype(mx.uint32)  # (hidden,)
