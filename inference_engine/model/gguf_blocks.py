@@ -13,8 +13,6 @@ weights are never read.
 
 from __future__ import annotations
 
-import mmap
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -24,6 +22,7 @@ import mlx.nn as nn
 import numpy as np
 
 from inference_engine.model.gguf_convert import _hf_name, _unpermute_rows
+from inference_engine.model.gguf_reader import read_gguf
 
 QMatmul = Callable[[mx.array, mx.array, int], mx.array]  # (x (..., K), blocks (N, bytes), fmt) -> (..., N)
 Q4_1, Q8_0 = 3, 8  # ggml type ids
@@ -131,65 +130,23 @@ class GgufTensor:
     row_bytes: int  # bytes of one row (the last dimension)
 
 
-_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _TYPE_SIZES = {0: (1, 4), 1: (1, 2), Q4_1: (BLOCK, BLOCK_BYTES[Q4_1]), Q8_0: (BLOCK, BLOCK_BYTES[Q8_0])}
 
 
 def read_gguf_tensors(path: Path) -> list[GgufTensor]:
-    """The tensor directory of a GGUF file (v2/v3, little-endian): names, types, shapes, offsets.
-
-    gguf-py's GGUFReader also parses every metadata field into numpy views (seconds for a
-    49k-token vocabulary); this reads past the metadata and returns the directory only.
+    """The tensor directory of a GGUF file (v2/v3, little-endian): names, types, shapes, offsets,
+    read with the one GGUF header reader (`gguf_reader.read_gguf`).
 
     Raises:
         ValueError: not a GGUF file, or a type this reader cannot size.
     """
-    with path.open("rb") as f:
-        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    try:
-        magic, version, n_tensors, n_kv = struct.unpack_from("<4sIQQ", buf, 0)
-        if magic != b"GGUF" or version < 2:
-            raise ValueError(f"{path} is not a GGUF v2+ file")
-        pos, alignment = 24, 32
-
-        def string(at: int) -> tuple[str, int]:
-            (n,) = struct.unpack_from("<Q", buf, at)
-            return bytes(buf[at + 8 : at + 8 + n]).decode("utf-8", "replace"), at + 8 + n
-
-        def skip(kind: int, at: int) -> int:
-            if kind == 8:
-                return string(at)[1]
-            if kind == 9:
-                item, count = struct.unpack_from("<IQ", buf, at)
-                at += 12
-                if item in _SCALARS:
-                    return at + count * struct.calcsize("<" + _SCALARS[item])
-                for _ in range(count):
-                    at = skip(item, at)
-                return at
-            return at + struct.calcsize("<" + _SCALARS[kind])
-
-        for _ in range(n_kv):
-            key, pos = string(pos)
-            (kind,) = struct.unpack_from("<I", buf, pos)
-            if key == "general.alignment":
-                (alignment,) = struct.unpack_from("<I", buf, pos + 4)
-            pos = skip(kind, pos + 4)
-        infos = []
-        for _ in range(n_tensors):
-            name, pos = string(pos)
-            (n_dims,) = struct.unpack_from("<I", buf, pos)
-            ne = struct.unpack_from(f"<{n_dims}Q", buf, pos + 4)
-            kind, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * n_dims)
-            pos += 4 + 8 * n_dims + 12
-            if kind not in _TYPE_SIZES:
-                raise ValueError(f"{name}: ggml type {kind} is not one this reader can size")
-            per, size = _TYPE_SIZES[kind]
-            infos.append((name, kind, tuple(int(n) for n in reversed(ne)), offset, int(ne[0]) // per * size))
-        data = (pos + alignment - 1) // alignment * alignment
-        return [GgufTensor(name, kind, shape, data + offset, row) for name, kind, shape, offset, row in infos]
-    finally:
-        buf.close()
+    out = []
+    for t in read_gguf(path).tensors:
+        if t.kind not in _TYPE_SIZES:
+            raise ValueError(f"{t.name}: ggml type {t.kind} is not one this reader can size")
+        per, size = _TYPE_SIZES[t.kind]
+        out.append(GgufTensor(t.name, t.kind, t.shape, t.offset, t.shape[-1] // per * size))
+    return out
 
 
 def load_gguf_blocks(model: nn.Module, gguf_path: Path, qmatmul: QMatmul) -> None:
