@@ -142,7 +142,7 @@ def _server_log_pids(path, timeout_s: float = 10.0) -> dict[str, int]:
     """Latest pid of each spawned worker from the server's log (timeout_s=0: what is there now)."""
     end = time.monotonic() + timeout_s
     while True:
-        found = dict(re.findall(r"shard worker (\d+:\d+) \(pid (\d+)\) listening", path.read_text()))
+        found = dict(re.findall(r"shard worker (\d+:\d+) \(pid (\d+)\) serves at", path.read_text()))
         if len(found) == len(RANGES) or time.monotonic() >= end:
             if len(found) < len(RANGES) and timeout_s:
                 raise AssertionError(path.read_text())

@@ -41,7 +41,7 @@ FIRST = (5, 17, 33, 2, 250, 9, 9, 120)  # fed before the kill
 SECRET = (31337, 4242, 27182, 16180, 14142, 17320, 22360, 26457)  # sent while the rogue holds the port
 AFTER = (7, 11, 13)  # fed once the worker is back
 BACK_WITHIN_S = 300.0  # a restarted worker loads its layers (a busy machine, a cold cache)
-_LISTENING = re.compile(r"shard worker (\d+:\d+) \(pid (\d+)\) listening on (\S+)")
+_SERVES_AT = re.compile(r"shard worker (\d+:\d+) \(pid (\d+)\) serves at (\S+)")
 
 
 @dataclass
@@ -137,7 +137,7 @@ async def run_spawned(flags: Sequence[str], ranges: str, workdir: Path) -> Rogue
     server = await ServerProcess.start([*flags, "--spawn-shards", ranges, "--shard-recovery-timeout", str(RECOVERY_S)],
                                        log_path)
     try:
-        head = next(m for m in _LISTENING.finditer(log_path.read_text()) if m.group(1) == ranges.split(",")[0])
+        head = next(m for m in _SERVES_AT.finditer(log_path.read_text()) if m.group(1) == ranges.split(",")[0])
         pid, port = int(head.group(2)), int(head.group(3).rsplit(":", 1)[1])
 
         async def kill_head() -> None:
