@@ -11,7 +11,7 @@ from inference_engine.runtime.verify_row_cost import CHEAP_ROW, lookup_drafter, 
 from inference_engine.v1 import runtime_pb2 as pb
 from tests.conftest import make_config, running_server
 
-PROMPT = [5, 17, 33, 2, 250, 9, 9, 120, 64, 3, 5, 17, 33, 2, 250, 9]
+PROMPT = [117] * 16  # the tiny model continues this run, so lookup drafts are accepted (test_speculative)
 
 
 def test_single_token_matches_only_where_a_row_is_cheap():
