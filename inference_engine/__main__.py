@@ -28,6 +28,15 @@ def list_models() -> str:
     return "\n".join(lines)
 
 
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's help ends with its default, except a flag that has none (None: off until given; False: a switch)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def _server_parsers(sub: argparse._SubParsersAction) -> bool:
     """Register serve, shard-worker and prepare-model; False when the server's packages are missing."""
     try:
@@ -38,7 +47,7 @@ def _server_parsers(sub: argparse._SubParsersAction) -> bool:
         for name in SERVER_COMMANDS:
             add_version_flag(sub.add_parser(name, help=f"(needs the server install: {exc.name} is missing)"))
         return False
-    defaults = argparse.ArgumentDefaultsHelpFormatter  # every flag's help ends with its default
+    defaults = DefaultsHelpFormatter  # every flag's help ends with its default
     commands = {
         "serve": sub.add_parser("serve", help="serve RuntimeService over gRPC", formatter_class=defaults),
         "shard-worker": sub.add_parser("shard-worker", help="serve one layer range over ShardRuntime (gRPC)",

@@ -61,9 +61,10 @@ def test_every_flag_has_help_with_its_default(command):
             continue
         assert action.help, f"{command} {action.option_strings[0]} has no help"
         assert "(default: " in action.help % vars(action) or "%(default)" in action.help or \
-            sub.formatter_class is argparse.ArgumentDefaultsHelpFormatter, action.option_strings
+            issubclass(sub.formatter_class, argparse.ArgumentDefaultsHelpFormatter), action.option_strings
     assert "--max-sessions MAX_SESSIONS" in out.stdout or command == "shard-worker"
     assert "(default: 8)" in out.stdout  # --max-sessions' default, in the text a user reads
+    assert "(default: None)" not in out.stdout and "(default: False)" not in out.stdout  # no default, none shown
 
 
 def test_models_lists_the_packaged_names(capsys):
