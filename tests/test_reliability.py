@@ -11,46 +11,31 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import grpc
-import mlx.core as mx
 import pytest
-from mlx.utils import tree_flatten
 
 from inference_engine.client.reliability import bad_input, cancels, fuzz
 from inference_engine.client.reliability.battery import guarded
 from inference_engine.client.reliability.outcomes import Outcome, outcome_of, typing_problem
 from inference_engine.client.reliability.report import SectionReport, battery_json
 from inference_engine.client.reliability.security_checks import SecuredTargets, run_security
-from inference_engine.model.loader import random_model
 from inference_engine.runtime.jobs import AppendJob
 from inference_engine.runtime.session_transfer import SessionRestored, SessionTransfer
 from inference_engine.security.settings import ServerSecurity
 from inference_engine.server.validation import Validator
 from tests.certs import TOKEN_A, TOKEN_B, token_file
 from tests.ops_helpers import serving
+from tests.tiny_text_model import write_tiny_text_model
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = dict(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
-            num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True)
-
-
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, real_model_path: Path) -> Path:
     """An mlx-lm folder: a 2-layer random llama over the packaged model's tokenizer (its vocabulary)."""
-    out = tmp_path_factory.mktemp("tiny-text-model")
-    vocab = json.loads((real_model_path / "config.json").read_text())["vocab_size"]
-    model = random_model(seed=0, vocab_size=vocab)
-    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.model.parameters())),
-                        metadata={"format": "mlx"})
-    (out / "config.json").write_text(json.dumps({**TINY, "vocab_size": vocab}))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(real_model_path / name, out / name)
-    return out
+    return write_tiny_text_model(tmp_path_factory.mktemp("tiny-text-model"), real_model_path)
 
 
 def test_quick_battery_against_a_served_process(tiny_model_dir, tmp_path):
