@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# The reviewer's one command (macOS or Linux): set up, run the test suite with coverage,
-# smoke-test a spawned gRPC server, and write results/platform-tests/summary.json.
+# The reviewer's one command (macOS or Linux): set up, check the golden digests, run the test
+# suite with coverage, smoke-test a spawned gRPC server, and write
+# results/platform-tests/summary.json, which says which path served (CPU exact native, MLX ops,
+# Metal) and, plainly, when it ran without a Mac.
 # Every step runs even when an earlier one fails; the exit status is non-zero if the
 # tests (or the coverage gate) or the smoke test failed.
 set -uo pipefail
@@ -16,6 +18,12 @@ if ! bash scripts/dev.sh setup; then
 fi
 mkdir -p "$TESTS_DIR" "$SMOKE_DIR"
 
+# The golden digests first (their run writes junit.xml too, which the suite's then replaces).
+echo "[review] golden digests (tests/test_golden_digests.py: the kernels and the packaged model's bits)" >&2
+bash scripts/run_tests.sh --no-cov -q tests/test_golden_digests.py 2>&1 | tee "$TESTS_DIR/golden.log"
+golden_rc=${PIPESTATUS[0]}
+$PY -c "import mlx.core as mx; print(mx.default_device())" >"$TESTS_DIR/mlx_device.txt" 2>&1
+
 echo "[review] test suite with coverage" >&2
 bash scripts/run_tests.sh 2>&1 | tee "$TESTS_DIR/pytest.log"
 tests_rc=${PIPESTATUS[0]}
@@ -29,7 +37,7 @@ smoke_json="$SMOKE_DIR/smoke-$STAMP.json"
 $PY scripts/smoke_grpc_runtime.py --spawn --out "$smoke_json" 2>&1 | tee "$SMOKE_DIR/smoke-$STAMP.log"
 smoke_rc=${PIPESTATUS[0]}
 
-$PY - "$TESTS_DIR" "$smoke_json" "$SMOKE_DIR/smoke-$STAMP.log" "$tests_rc" "$smoke_rc" <<'PY'
+$PY - "$TESTS_DIR" "$smoke_json" "$SMOKE_DIR/smoke-$STAMP.log" "$tests_rc" "$smoke_rc" "$golden_rc" <<'PY'
 """Write summary.json from the JUnit XML, coverage and smoke report; exit 1 if anything failed."""
 from __future__ import annotations
 
@@ -42,7 +50,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 tests_dir, smoke_json, smoke_log = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
-tests_rc, smoke_rc = int(sys.argv[4]), int(sys.argv[5])
+tests_rc, smoke_rc, golden_rc = int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
 junit = tests_dir / "junit.xml"
 COUNTS = ("tests", "failures", "errors", "skipped")
 
@@ -89,7 +97,28 @@ def smoke_counts(path: Path) -> dict:
         return {"passed": 0, "failed": 0, "error": f"no smoke report at {path}: {exc}"}
 
 
+def served_path(dir_: Path) -> dict:
+    """Which arithmetic served (the test run's header line) on which MLX device, and whether this is a Mac."""
+    try:
+        header = re.search(r"^inference_engine arithmetic: (.*)$", (dir_ / "golden.log").read_text(), re.M)
+    except OSError:
+        header = None
+    try:
+        device = (dir_ / "mlx_device.txt").read_text().strip()
+    except OSError:
+        device = "unknown"
+    arithmetic = header.group(1) if header else "unknown (no golden.log header)"
+    kind = ("Metal" if "gpu" in device.lower() else
+            "CPU exact native" if arithmetic.startswith("native") else "MLX ops")
+    mac = platform.system() == "Darwin"
+    return {"served": kind, "arithmetic": arithmetic, "mlx_device": device, "mac": mac,
+            "note": "ran on macOS" if mac else
+            f"ran WITHOUT a Mac ({platform.system()} {platform.machine()}): nothing here verifies Apple Silicon"}
+
+
 tests = junit_counts(junit)
+path = served_path(tests_dir)
+golden_ok = golden_rc == 0
 smoke = smoke_counts(smoke_json)
 evidence = [junit, tests_dir / "pytest.log", tests_dir / "coverage.txt", tests_dir / "coverage.json",
             smoke_json, smoke_json.with_suffix(".server.log"), smoke_log]
@@ -103,19 +132,24 @@ summary = {
     "tests": {**tests, "exit_code": tests_rc, "ok": tests_ok},
     "coverage_percent": coverage_percent(tests_dir),
     "smoke": {**smoke, "exit_code": smoke_rc, "ok": smoke_ok},
+    "path": path,
+    "golden_digests": {"exit_code": golden_rc, "ok": golden_ok, "log": str(tests_dir / "golden.log")},
     "evidence": [str(p) for p in evidence if p.is_file()],
-    "ok": tests_ok and smoke_ok,
+    "ok": tests_ok and smoke_ok and golden_ok,
 }
 out = tests_dir / "summary.json"
 out.write_text(json.dumps(summary, indent=2) + "\n")
 print(f"[review] tests {tests['tests']} (failures {tests['failures']}, errors {tests['errors']}, "
       f"skipped {tests['skipped']}, exit {tests_rc}); coverage {summary['coverage_percent']}%; "
       f"smoke {smoke['passed']} passed, {smoke['failed']} failed; summary: {out}", file=sys.stderr)
+print(f"[review] served by: {path['served']} ({path['arithmetic']}; MLX device {path['mlx_device']}); "
+      f"golden digests {'match' if golden_ok else 'DIFFER (see ' + str(tests_dir / 'golden.log') + ')'}; "
+      f"{path['note']}", file=sys.stderr)
 sys.exit(0 if summary["ok"] else 1)
 PY
 summary_rc=$?
-if (( tests_rc != 0 || smoke_rc != 0 || summary_rc != 0 )); then
-  echo "[review] FAILED (tests exit $tests_rc, smoke exit $smoke_rc, summary exit $summary_rc)" >&2
+if (( tests_rc != 0 || smoke_rc != 0 || golden_rc != 0 || summary_rc != 0 )); then
+  echo "[review] FAILED (tests exit $tests_rc, smoke exit $smoke_rc, golden exit $golden_rc, summary exit $summary_rc)" >&2
   exit 1
 fi
 echo "[review] all passed" >&2

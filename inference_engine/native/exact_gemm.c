@@ -146,6 +146,11 @@ static inline void halves_portable(const uint8_t *p, v8 *a, v8 *b) {
 typedef void (*columns_fn)(const struct job *, int, int);
 /* The variants the CPU runs: run_*_avx2 / run_q_avx512 where it has them (choose_columns). */
 static columns_fn run_nt = run_nt_portable, run_nn = run_nn_portable, run_q = run_q_portable;
+static const char *gemm_variant = "portable"; /* which loops choose_columns picked (exact_gemm_variant) */
+
+#if defined(__aarch64__)
+#include "exact_gemm_neon.h" /* NEON loops, chosen at load time unless EXACT_GEMM_PORTABLE */
+#endif
 
 #if defined(__x86_64__) && !defined(__AVX2__)
 #include <immintrin.h>
@@ -406,10 +411,12 @@ __attribute__((constructor)) static void choose_columns(void) {
     run_nt = run_nt_avx2;
     run_nn = run_nn_avx2;
     run_q = run_q_avx2;
+    gemm_variant = "x86-64 AVX2+FMA";
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
         __builtin_cpu_supports("avx512vl") && !getenv("EXACT_GEMM_NO_AVX512")) {
         run_q = run_q_avx512;
         run_nt = run_nt_avx512;
+        gemm_variant = "x86-64 AVX-512";
     }
 }
 #endif
@@ -619,6 +626,10 @@ void exact_parallel_for(void (*fn)(void *, int, int), void *ctx, int n) {
 }
 
 /* ------------------------------------------------------------------------------- the entry */
+
+/* Which column loops this process runs ("x86-64 AVX-512", "x86-64 AVX2+FMA", "arm64 NEON",
+ * "portable"): the kernel harness prints it beside its digests. The bits never depend on it. */
+const char *exact_gemm_variant(void) { return gemm_variant; }
 
 __attribute__((constructor)) static void find_real_blas(void) {
     real_sgemm = (sgemm_fn)dlsym(RTLD_NEXT, "cblas_sgemm");
