@@ -67,7 +67,7 @@ def cache_dir() -> Path:
 
 def compilers(arch: str) -> tuple[str, str]:
     """(C compiler, C++ compiler) for `arch`: the host's $CC/$CXX, or Debian's aarch64 cross compilers."""
-    if arch == "aarch64":
+    if arch == "aarch64" and platform.machine() != "aarch64":
         return "aarch64-linux-gnu-gcc", "aarch64-linux-gnu-g++"
     return os.environ.get("CC", "cc"), os.environ.get("CXX", "c++")
 
@@ -121,7 +121,7 @@ def run(variant: Variant, binary: Path) -> list[str]:
         HarnessError: it failed, or ran another variant than asked (a CPU without AVX-512, say).
     """
     cmd = [str(binary)]
-    if variant.arch == "aarch64":
+    if variant.arch == "aarch64" and platform.machine() != "aarch64":  # emulated; natively on an arm64 host
         qemu = shutil.which("qemu-aarch64-static") or shutil.which("qemu-aarch64")
         if qemu is None:
             raise HarnessError("no qemu-aarch64-static (apt-get install qemu-user-static)")
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arm64", action="store_true", help="also the arm64 build under qemu-aarch64")
     args = parser.parse_args(argv)
-    variants = X86_VARIANTS + (ARM64_VARIANTS if args.arm64 else ())
+    variants = (X86_VARIANTS if platform.machine() == "x86_64" else ()) + (ARM64_VARIANTS if args.arm64 else ())
     reference: tuple[str, dict[str, str]] | None = None
     if GOLDEN.is_file():  # the committed bits first: a change every variant shares is caught too
         reference = ("the golden table", json.loads(GOLDEN.read_text())["kernels"]["tensors"])

@@ -32,6 +32,7 @@
 
 #include "exact_attention.h"
 #include "exact_exp.h"
+#include "exact_exp_neon.h"
 #include "exact_layer.h"
 
 #include "mlx/backend/cpu/encoder.h"
@@ -219,13 +220,15 @@ NB_MODULE(_exact_quant, m) {
       [](bool on) {
 #if defined(__x86_64__)
         return exact_math::set_avx2(on);
+#elif defined(__aarch64__)
+        return exact_math::neon::set_enabled(on);  // arm64: the NEON variants (exact_exp_neon.h)
 #else
         (void)on;
         return false;
 #endif
       },
       nb::arg("on"),
-      "Whether attention and SiLU run their 8-lane AVX2 variants (where the CPU has AVX2); returns the previous "
+      "Whether attention and SiLU run their 8-lane AVX2 variants (where the CPU has AVX2; NEON on arm64); returns the previous "
       "setting. For tests comparing them with the portable code: both give the same bits.");
   m.def(
       "set_attention_pool",
