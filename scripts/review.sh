@@ -20,7 +20,7 @@ mkdir -p "$TESTS_DIR" "$SMOKE_DIR"
 
 # The golden digests first (their run writes junit.xml too, which the suite's then replaces).
 echo "[review] golden digests (tests/test_golden_digests.py: the kernels and the packaged model's bits)" >&2
-bash scripts/run_tests.sh --no-cov -q tests/test_golden_digests.py 2>&1 | tee "$TESTS_DIR/golden.log"
+bash scripts/run_tests.sh --no-cov tests/test_golden_digests.py 2>&1 | tee "$TESTS_DIR/golden.log"
 golden_rc=${PIPESTATUS[0]}
 $PY -c "import mlx.core as mx; print(mx.default_device())" >"$TESTS_DIR/mlx_device.txt" 2>&1
 
