@@ -15,7 +15,9 @@
  * (built with -ffp-contract=off), so x86-64 with or without AVX2/FMA/AVX-512, and AArch64,
  * give the same bits. No -march=native (a cached build may meet another CPU): on x86-64 the
  * column loops are built twice, for AVX2 + FMA and portably (libm's fmaf lane by lane), and
- * the CPU picks one at load time, which changes the instructions, not the operations.
+ * the CPU picks one at load time, which changes the instructions, not the operations; on
+ * AArch64 the NEON loops (exact_gemm_neon.h) serve unless EXACT_GEMM_PORTABLE is set.
+ * tests/native/kernel_harness.cpp checks every variant's bits (scripts/check_arm64.sh).
  *
  * Cases: RowMajor, A not transposed, B transposed (MLX's x @ W.T: each output is the dot
  * product of two contiguous rows) or not (attention's weights @ values: one sequential
