@@ -309,6 +309,39 @@ async def test_a_hung_worker_is_given_up_on_at_the_configured_deadlines(tiny):
         assert (await stub.GetSessionInfo(pb.GetSessionInfoRequest(session_id=sid))).state_digest == digest
 
 
+async def test_a_retry_while_a_hung_worker_is_still_busy_is_unavailable_then_continues_exactly(tiny):
+    """Issue 33: a call cut off while restoring sent a SessionOpen the hung tail frees only behind its
+    sleeping steps. A client retry at once must not reopen at that same route epoch (the tail answered
+    INVALID_ARGUMENT "already open at route epoch 2"): it gets UNAVAILABLE, and once the tail is back
+    the retries continue the stream exactly."""
+    want, digest = await _reference(tiny, 24)
+    async with _connected(tiny, shard_recovery_timeout_s=2.0, shard_step_timeout_s=0.5) as (engine, tail), \
+            running_server(engine) as (stub, _):
+        sid = await _session(stub)
+        got: list[int] = []
+
+        def hang(sent: int) -> None:
+            if sent >= 5 and not tail.faults.delay_s:
+                tail.inject(FaultConfig(delay_s=6.0))
+
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await asyncio.wait_for(_generate(stub, sid, 24, got, hang), 60)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+        assert "restoring the session got no answer" in err.value.details()  # a SessionOpen went out and hung
+        codes = []
+        while len(got) < 24 and len(codes) < 60:  # "retry shortly": at once, the tail still sleeping at first
+            try:
+                await asyncio.wait_for(_generate(stub, sid, 24 - len(got), got), 60)
+                codes.append(grpc.StatusCode.OK)
+            except grpc.aio.AioRpcError as exc:
+                codes.append(exc.code())
+                assert exc.code() == grpc.StatusCode.UNAVAILABLE, (codes, exc.details())
+            tail.inject(FaultConfig())  # back after the first retry (the steps already sleeping run out)
+        assert codes[0] == grpc.StatusCode.UNAVAILABLE and codes[-1] == grpc.StatusCode.OK, codes
+        assert got == want
+        assert (await stub.GetSessionInfo(pb.GetSessionInfoRequest(session_id=sid))).state_digest == digest
+
+
 async def test_a_session_closed_while_its_route_is_silent_ends_its_stream_cancelled(tiny):
     """CANCELLED keeps its meaning: the session was closed (here, while the step waited for a dead route)."""
     async with _connected(tiny, shard_recovery_timeout_s=1.0) as (engine, tail), \

@@ -102,7 +102,7 @@ class RemoteExecutor(Executor):
         self.log = log  # the session's log: positions 0..offset are replayed from it
         self.session_id = f"rx-{uuid.uuid4().hex}"  # a fresh route session per executor (rebuilds too)
         self._offset = 0  # positions computed on the workers, including a pending block
-        self._epoch = 0  # route epoch the session is open at (0: not open)
+        self._epoch = 0  # route epoch of the latest SessionOpen sent for the session (0: none yet)
         self._needs_replay = True  # the workers' K/V does not match the log up to `_offset`
         self._is_closed = False
         self.route.call(lambda: self._reopen(0, time.monotonic() + self.route.recovery_timeout_s))
@@ -236,7 +236,6 @@ class RemoteExecutor(Executor):
                                         f"({r.recovery_timeout_s:g} s){before}")
             except RuntimeServiceError as exc:
                 cause = exc
-            self._epoch = self._epoch or p.epoch  # a failed first open still needs a newer epoch
             await asyncio.sleep(max(0.0, min(r.retry_interval_s, deadline - time.monotonic())))
         raise ShardUnavailable(
             f"the shard route {','.join(p.addresses)} is not answering ({type(cause).__name__}: {cause}); "
@@ -250,8 +249,10 @@ class RemoteExecutor(Executor):
             if p.epoch <= self._epoch:
                 p.advance_epoch()
             await p.connect()  # re-check the route (a restarted worker must run the same layers)
-        await p.open(self.session_id, g.sink, g.window, max_block=g.max_block, max_rollback=g.max_rollback)
+        # Taken before the SessionOpen goes out: an attempt cut off here may still be open on a busy worker
+        # (it frees it behind its running steps), so the next attempt must supersede it, never reuse its epoch.
         self._epoch = p.epoch
+        await p.open(self.session_id, g.sink, g.window, max_block=g.max_block, max_rollback=g.max_rollback)
         tokens = self.log[:position]
         for i in range(0, len(tokens), REPLAY_CHUNK):
             await p.forward(self.session_id, tokens[i : i + REPLAY_CHUNK], all_logits=False)
