@@ -16,7 +16,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from inference_engine.malloc_trim import trim_free_memory
+from inference_engine.malloc_trim import fix_malloc_thresholds, trim_free_memory
 from inference_engine.model.loader import LoadedModel, load_block_model, load_gguf_model, load_model
 from inference_engine.model.packaged import DEFAULT_MODEL, packaged_gguf_path, resolve_model_path
 from inference_engine.quant_kernel import enable_native_kernels, load_quant_kernel
@@ -97,6 +97,8 @@ def load_q4_1_model(model: str, cache_dir: Path) -> LoadedModel:
 
 def release_start_up_memory() -> None:
     """Give the OS back what start-up freed (conversions, probe temporaries): MLX's buffer cache, then
-    glibc's free lists (malloc_trim; tens of MB that would otherwise count as the idle server's RSS)."""
+    glibc's free lists (malloc_trim; tens of MB that would otherwise count as the idle server's RSS); from now
+    on, buffers of 1 MiB and more are mapped on their own, so large transient ones leave no heap behind."""
     mx.clear_cache()
+    fix_malloc_thresholds()
     trim_free_memory()
