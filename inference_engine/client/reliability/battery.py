@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import platform
 import secrets
 import sys
@@ -59,7 +60,7 @@ QUICK = BatteryPlan("quick", CancelPlan(trials=24, clients=3), TrafficPlan(clien
                     restores=RestorePlan(upload_bytes=64 * MIB), stall=StallPlan(new_tokens=128),
                     disk=DiskPlan(sessions=3, appends=2))
 FULL = BatteryPlan("full", CancelPlan(trials=100, clients=4), TrafficPlan(clients=8, calls=12),
-                   FuzzPlan(examples=150), grace_s=3.0, max_sessions=16)
+                   FuzzPlan(examples=150), grace_s=3.0, max_sessions=16, stall=StallPlan(rounds=3))
 
 
 @dataclass(frozen=True)
@@ -146,7 +147,7 @@ async def run_battery(plan: BatteryPlan, model: str | None, workdir: Path, secti
         extra_flags: more `serve` flags for every server started.
         pki: certificates for the security section (skipped without them).
     """
-    started = time.monotonic()
+    started, load_at_start = time.monotonic(), os.getloadavg()  # other work on the machine, for reading timings
     workdir.mkdir(parents=True, exist_ok=True)
     flags = serve_flags(plan, model, extra_flags)
     reports: list[SectionReport] = []
@@ -169,5 +170,6 @@ async def run_battery(plan: BatteryPlan, model: str | None, workdir: Path, secti
         "battery": "issue 15 reliability", "plan": dataclasses.asdict(plan), "model": model or "packaged default",
         "server": server_info, "host": platform.node(), "platform": platform.platform(), "python": sys.version.split()[0],
         "started_unix": time.time() - (time.monotonic() - started), "seconds": round(time.monotonic() - started, 1),
+        "load_average": {"start": [round(x, 2) for x in load_at_start], "end": [round(x, 2) for x in os.getloadavg()]},
     }
     return battery_json(reports, meta)
