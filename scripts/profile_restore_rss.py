@@ -27,9 +27,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from inference_engine.client.reliability.hostile_restores import RestorePlan, run_hostile_restores  # noqa: E402
-from inference_engine.client.reliability.server_process import ServerProcess  # noqa: E402
 from inference_engine.security.credentials import open_channel  # noqa: E402
+from reliabilitykit.hostile_restores import RestorePlan, run_hostile_restores  # noqa: E402
+from reliabilitykit.server_process import ServerProcess  # noqa: E402
 
 MIB = 1 << 20
 ARENA_ALIGN = 64 * MIB  # glibc's non-main heaps are aligned to their 64 MiB maximum size

@@ -29,11 +29,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from inference_engine.client.reliability import text_stall  # noqa: E402
-from inference_engine.client.reliability.server_process import ServerProcess  # noqa: E402
 from inference_engine.security.credentials import open_channel  # noqa: E402
 from inference_engine.v1 import runtime_pb2 as pb  # noqa: E402
 from inference_engine.v1 import runtime_pb2_grpc as pb_grpc  # noqa: E402
+from reliabilitykit import text_stall  # noqa: E402
+from reliabilitykit.server_process import ServerProcess  # noqa: E402
 
 CHARS = 65536  # serve's default --max-text-chars
 
@@ -61,7 +61,7 @@ async def phase(stub: pb_grpc.RuntimeServiceStub, server: ServerProcess, beside:
     if beside:
         other = await asyncio.create_subprocess_exec(
             sys.executable, "-m", text_stall.__name__, server.target, str(CHARS), stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE)
+            stdout=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONPATH": f"{REPO / 'scripts'}{os.pathsep}{REPO}"})
         assert other.stdout is not None and other.stdin is not None
         await other.stdout.readline()
     a, started = sched(server.pid), time.perf_counter()

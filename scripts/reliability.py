@@ -4,7 +4,7 @@
     .venv/bin/python scripts/reliability.py            # full: 100 interrupted calls, 8 clients x 3 rounds, ...
     .venv/bin/python scripts/reliability.py --quick    # the bounded form the tests run
 
-Sections (inference_engine/client/reliability/): the bad-input table (every field, raw
+Sections (scripts/reliabilitykit/): the bad-input table (every field, raw
 corrupt bytes, oversize messages -> typed codes), random client cancels and deadlines
 reconciled with a replay, mixed traffic from N clients with the server's RSS between rounds,
 SIGTERM mid-stream, TLS/tokens/mTLS/ownership, a hypothesis fuzz of every request, and a rogue
@@ -26,8 +26,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the package and tests.certs are used from the checkout
 
-from inference_engine.client.reliability.battery import FULL, QUICK, SECTIONS, PkiFiles, run_battery  # noqa: E402
-from inference_engine.client.reliability.report import write_json  # noqa: E402
+from reliabilitykit.battery import FULL, QUICK, SECTIONS, PkiFiles, run_battery  # noqa: E402
+from reliabilitykit.report import write_json  # noqa: E402
 
 
 def _pki(folder: Path) -> PkiFiles:

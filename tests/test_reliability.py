@@ -18,11 +18,6 @@ from pathlib import Path
 import grpc
 import pytest
 
-from inference_engine.client.reliability import bad_input, cancels, fuzz
-from inference_engine.client.reliability.battery import guarded
-from inference_engine.client.reliability.outcomes import Outcome, outcome_of, typing_problem
-from inference_engine.client.reliability.report import SectionReport, battery_json
-from inference_engine.client.reliability.security_checks import SecuredTargets, run_security
 from inference_engine.runtime.jobs import AppendJob
 from inference_engine.runtime.session_transfer import SessionRestored, SessionTransfer
 from inference_engine.security.settings import ServerSecurity
@@ -30,6 +25,14 @@ from inference_engine.server.validation import Validator
 from tests.certs import TOKEN_A, TOKEN_B, token_file
 from tests.ops_helpers import serving
 from tests.tiny_text_model import write_tiny_text_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))  # the battery's package
+
+from reliabilitykit import bad_input, cancels, fuzz  # noqa: E402
+from reliabilitykit.battery import guarded  # noqa: E402
+from reliabilitykit.outcomes import Outcome, outcome_of, typing_problem  # noqa: E402
+from reliabilitykit.report import SectionReport, battery_json  # noqa: E402
+from reliabilitykit.security_checks import SecuredTargets, run_security  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")

@@ -12,13 +12,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
 import pytest
 
-from inference_engine.client.reliability.full_disk import DiskPlan, run_full_disk
-from inference_engine.client.reliability.hostile_restores import MIB, RestorePlan, forged, run_hostile_restores
-from inference_engine.client.reliability.text_stall import StallPlan, run_text_stall
 from inference_engine.model.loader import load_model
 from inference_engine.runtime import snapshot_intake
 from inference_engine.runtime.engine import Engine
@@ -27,6 +25,12 @@ from inference_engine.text.codec import TextCodec
 from tests.ops_helpers import serving
 from tests.test_reliability import tiny_model_dir  # noqa: F401 - a fixture
 from tests.test_snapshot_format import _snapshot
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))  # the battery's package
+
+from reliabilitykit.full_disk import DiskPlan, run_full_disk  # noqa: E402
+from reliabilitykit.hostile_restores import MIB, RestorePlan, forged, run_hostile_restores  # noqa: E402
+from reliabilitykit.text_stall import StallPlan, run_text_stall  # noqa: E402
 
 
 def _own_rss() -> int:

@@ -13,14 +13,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import sys
 from pathlib import Path
 from typing import AsyncIterator
 
 import pytest
 
-from inference_engine.client.reliability.hostile_peers import Relay, RogueListener, varint_ids
-from inference_engine.client.reliability.rogue_worker import FIRST, RogueFindings, judge, layer_ranges, run_rogue_worker
-from inference_engine.client.reliability.report import SectionReport
 from inference_engine.model.loader import LoadedModel, load_model
 from inference_engine.runtime.engine import Engine
 from inference_engine.security.settings import ClientSecurity
@@ -32,6 +30,12 @@ from inference_engine.v1 import runtime_pb2 as pb
 from tests.conftest import running_server
 from tests.shard_helpers import running_workers, spawn_worker
 from tests.tiny_text_model import write_tiny_text_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))  # the battery's package
+
+from reliabilitykit.hostile_peers import Relay, RogueListener, varint_ids  # noqa: E402
+from reliabilitykit.rogue_worker import FIRST, RogueFindings, judge, layer_ranges, run_rogue_worker  # noqa: E402
+from reliabilitykit.report import SectionReport  # noqa: E402
 
 pytestmark = pytest.mark.real_model  # the packaged tokenizer
 PROMPT = [31337, 4242, 27182, 16180, 14142, 17320, 22360, 26457, 1, 2, 3, 4]

@@ -22,18 +22,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Awaitable, Sequence
 
-from inference_engine.client.reliability.bad_input import run_bad_input
-from inference_engine.client.reliability.cancels import CancelPlan, run_cancels
-from inference_engine.client.reliability.full_disk import DiskPlan, run_full_disk
-from inference_engine.client.reliability.fuzz import FuzzPlan, run_fuzz
-from inference_engine.client.reliability.hostile_restores import MIB, RestorePlan, run_hostile_restores
-from inference_engine.client.reliability.report import SectionReport, battery_json
-from inference_engine.client.reliability.rogue_worker import run_rogue_worker
-from inference_engine.client.reliability.security_checks import SecuredTargets, run_security
-from inference_engine.client.reliability.server_process import ServerProcess, exposure_refused
-from inference_engine.client.reliability.shutdown import run_shutdown
-from inference_engine.client.reliability.text_stall import StallPlan, run_text_stall
-from inference_engine.client.reliability.traffic import TrafficPlan, run_traffic
+from reliabilitykit.bad_input import run_bad_input
+from reliabilitykit.cancels import CancelPlan, run_cancels
+from reliabilitykit.full_disk import DiskPlan, run_full_disk
+from reliabilitykit.fuzz import FuzzPlan, run_fuzz
+from reliabilitykit.hostile_restores import MIB, RestorePlan, run_hostile_restores
+from reliabilitykit.report import SectionReport, battery_json
+from reliabilitykit.rogue_worker import run_rogue_worker
+from reliabilitykit.security_checks import SecuredTargets, run_security
+from reliabilitykit.server_process import ServerProcess, exposure_refused
+from reliabilitykit.shutdown import run_shutdown
+from reliabilitykit.text_stall import StallPlan, run_text_stall
+from reliabilitykit.traffic import TrafficPlan, run_traffic
 from inference_engine.security.credentials import open_channel
 
 SECTIONS = ("bad_input", "cancels", "fuzz", "traffic", "hostile_restores", "text_stall", "shutdown", "security",

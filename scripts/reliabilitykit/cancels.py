@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from inference_engine.client.reliability.outcomes import (
+from reliabilitykit.outcomes import (
     BUSY_PATIENCE_S,
     BUSY_RETRY_S,
     CANCELLED,
@@ -36,8 +36,8 @@ from inference_engine.client.reliability.outcomes import (
     patient_outcome,
     typing_problem,
 )
-from inference_engine.client.reliability.report import SectionReport
-from inference_engine.client.reliability.sessions import (
+from reliabilitykit.report import SectionReport
+from reliabilitykit.sessions import (
     RPC_TIMEOUT_S,
     Limits,
     close_quietly,

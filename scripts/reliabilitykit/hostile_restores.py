@@ -28,8 +28,8 @@ from typing import AsyncIterator, Callable
 
 import grpc
 
-from inference_engine.client.reliability.outcomes import outcome_of, typing_problem
-from inference_engine.client.reliability.report import SectionReport
+from reliabilitykit.outcomes import outcome_of, typing_problem
+from reliabilitykit.report import SectionReport
 from inference_engine.client.snapshots import CHUNK_BYTES, snapshot_bytes
 from inference_engine.v1 import runtime_pb2 as pb
 from inference_engine.v1 import runtime_pb2_grpc as pb_grpc

@@ -23,8 +23,8 @@ from typing import Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from inference_engine.client.reliability.report import SectionReport
-from inference_engine.client.reliability.server_process import ServerProcess
+from reliabilitykit.report import SectionReport
+from reliabilitykit.server_process import ServerProcess
 from inference_engine.security.credentials import open_channel
 from inference_engine.v1 import runtime_pb2 as pb
 from inference_engine.v1 import runtime_pb2_grpc as pb_grpc

@@ -24,7 +24,7 @@ from typing import Callable
 
 import grpc
 
-from inference_engine.client.reliability.bad_input import (
+from reliabilitykit.bad_input import (
     MAX_DETOKENIZE,
     MAX_EOS_IDS,
     MAX_STOP,
@@ -36,10 +36,10 @@ from inference_engine.client.reliability.bad_input import (
     STREAMING,
     U32_MAX,
 )
-from inference_engine.client.reliability.fuzz_snapshots import read_snapshot, snapshot_strategies
-from inference_engine.client.reliability.outcomes import OK, Outcome, outcome_of, sync_outcome, typing_problem
-from inference_engine.client.reliability.report import SectionReport
-from inference_engine.client.reliability.sessions import Limits, SessionState
+from reliabilitykit.fuzz_snapshots import read_snapshot, snapshot_strategies
+from reliabilitykit.outcomes import OK, Outcome, outcome_of, sync_outcome, typing_problem
+from reliabilitykit.report import SectionReport
+from reliabilitykit.sessions import Limits, SessionState
 from inference_engine.security.credentials import open_sync_channel
 from inference_engine.security.settings import ClientSecurity
 from inference_engine.v1 import runtime_pb2 as pb

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import grpc
 
-from inference_engine.client.reliability.outcomes import Outcome, call_outcome, outcome_of, typing_problem
-from inference_engine.client.reliability.report import SectionReport
-from inference_engine.client.reliability.sessions import (
+from reliabilitykit.outcomes import Outcome, call_outcome, outcome_of, typing_problem
+from reliabilitykit.report import SectionReport
+from reliabilitykit.sessions import (
     RPC_TIMEOUT_S,
     Limits,
     close_quietly,

@@ -12,10 +12,10 @@ import asyncio
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from inference_engine.client.reliability.outcomes import call_outcome, typing_problem
-from inference_engine.client.reliability.report import SectionReport
-from inference_engine.client.reliability.server_process import ServerProcess
-from inference_engine.client.reliability.sessions import RPC_TIMEOUT_S, limits_of, open_session
+from reliabilitykit.outcomes import call_outcome, typing_problem
+from reliabilitykit.report import SectionReport
+from reliabilitykit.server_process import ServerProcess
+from reliabilitykit.sessions import RPC_TIMEOUT_S, limits_of, open_session
 from inference_engine.security.credentials import open_channel
 from inference_engine.security.settings import ClientSecurity
 from inference_engine.v1 import runtime_pb2 as pb

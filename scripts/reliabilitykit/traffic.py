@@ -20,7 +20,7 @@ from typing import Awaitable, Callable, Collection
 
 import grpc
 
-from inference_engine.client.reliability.outcomes import (
+from reliabilitykit.outcomes import (
     BUSY_PATIENCE_S,
     BUSY_RETRY_S,
     CANCELLED_BY_CLIENT,
@@ -31,8 +31,8 @@ from inference_engine.client.reliability.outcomes import (
     patient_outcome,
     typing_problem,
 )
-from inference_engine.client.reliability.report import SectionReport
-from inference_engine.client.reliability.sessions import RPC_TIMEOUT_S, Limits, close_quietly, limits_of
+from reliabilitykit.report import SectionReport
+from reliabilitykit.sessions import RPC_TIMEOUT_S, Limits, close_quietly, limits_of
 from inference_engine.v1 import runtime_pb2 as pb
 from inference_engine.v1 import runtime_pb2_grpc as pb_grpc
 

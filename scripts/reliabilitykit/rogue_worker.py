@@ -27,9 +27,9 @@ from typing import Awaitable, Callable, Sequence
 
 import grpc
 
-from inference_engine.client.reliability.hostile_peers import RogueListener, varint_ids
-from inference_engine.client.reliability.report import SectionReport
-from inference_engine.client.reliability.server_process import ServerProcess
+from reliabilitykit.hostile_peers import RogueListener, varint_ids
+from reliabilitykit.report import SectionReport
+from reliabilitykit.server_process import ServerProcess
 from inference_engine.readiness import wait_ready_async
 from inference_engine.security.credentials import open_channel
 from inference_engine.v1 import runtime_pb2 as pb

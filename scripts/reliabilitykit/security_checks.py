@@ -16,9 +16,9 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from inference_engine.client.reliability.outcomes import Outcome, call_outcome, typing_problem
-from inference_engine.client.reliability.report import SectionReport
-from inference_engine.client.reliability.sessions import RPC_TIMEOUT_S, close_quietly, open_session, state_of
+from reliabilitykit.outcomes import Outcome, call_outcome, typing_problem
+from reliabilitykit.report import SectionReport
+from reliabilitykit.sessions import RPC_TIMEOUT_S, close_quietly, open_session, state_of
 from inference_engine.security.credentials import open_channel
 from inference_engine.security.settings import ClientSecurity
 from inference_engine.v1 import runtime_pb2 as pb

@@ -18,10 +18,11 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 
-from inference_engine.client.reliability.report import SectionReport
+from reliabilitykit.report import SectionReport
 from inference_engine.security.credentials import open_channel
 from inference_engine.v1 import runtime_pb2 as pb
 from inference_engine.v1 import runtime_pb2_grpc as pb_grpc
@@ -123,9 +124,11 @@ async def run_text_stall(channel: grpc.aio.Channel, target: str, plan: StallPlan
 
 async def _beside(stub: pb_grpc.RuntimeServiceStub, target: str, plan: StallPlan) -> tuple[list[float], int]:
     """The stream's gaps while another process sends maximal Tokenize calls; and how many it sent."""
+    kit = Path(__file__).resolve().parents[1]  # scripts/, which holds this package, and the checkout above it
+    path = os.pathsep.join(p for p in (str(kit), str(kit.parent), os.environ.get("PYTHONPATH", "")) if p)
     other = await asyncio.create_subprocess_exec(
         sys.executable, "-m", __name__, target, str(plan.max_text_chars), stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE)
+        stdout=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONPATH": path})
     try:
         assert other.stdout is not None and other.stdin is not None
         await other.stdout.readline()  # its first Tokenize is answered: it is running
