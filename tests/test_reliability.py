@@ -18,6 +18,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from inference_engine.runtime.job import Phase
 from inference_engine.runtime.jobs import AppendJob
 from inference_engine.runtime.session_transfer import SessionRestored, SessionTransfer
 from inference_engine.security.settings import ServerSecurity
@@ -89,7 +90,7 @@ async def test_bad_input_catches_an_untyped_error(tiny_engine, monkeypatch):
 
 async def test_cancels_catch_a_partial_append(tiny_engine, monkeypatch):
     def keep_what_was_fed(self, exc):  # the defect of issue 15: an abandoned append stays half-committed
-        self.is_done = True
+        self.phase = Phase.DONE
         self._settle(None, exc or asyncio.CancelledError())
         self._loop.call_soon_threadsafe(lambda: self.finished.done() or self.finished.set_result(None))
 

@@ -17,8 +17,9 @@ import time
 
 import pytest
 
-from inference_engine.runtime import scheduler as scheduler_module
-from inference_engine.runtime.scheduler import Job, Scheduler
+from inference_engine.runtime import policy as policy_module
+from inference_engine.runtime.job import Job, Kind, Phase
+from inference_engine.runtime.scheduler import Scheduler
 from inference_engine.verifier.executor import Block
 
 HANG_GUARD_S = 60.0  # a wait that only ends a hung test
@@ -61,48 +62,53 @@ class FakeBackend:
 @pytest.fixture
 def patient(monkeypatch):
     """Streams handing over a step are always waited for (the bound of that wait is a hang guard)."""
-    monkeypatch.setattr(scheduler_module, "HANDOFF_WAIT_S", HANG_GUARD_S)
+    monkeypatch.setattr(policy_module, "HANDOFF_WAIT_S", HANG_GUARD_S)
 
 
 class Stream(Job):
-    is_decoder = True
+    kind = Kind.DECODE
 
     def __init__(self, steps: int, take_after_s: float, after_step=lambda left: None):
         super().__init__(session=None)
-        self.left, self.take_after_s, self.handing = steps, take_after_s, False
+        self.left, self.take_after_s = steps, take_after_s
         self.after_step = after_step  # called with the steps left after each step (engine thread)
         self.scheduler: Scheduler | None = None
+
+    @property
+    def handing(self) -> bool:
+        return self.phase is Phase.HANDING
 
     @property
     def is_quiescent(self) -> bool:
         return not self.handing
 
     @property
-    def is_ready(self) -> bool:
-        return not self.handing
+    def is_handing_over(self) -> bool:
+        return self.handing
 
     def plan(self, budget):
         if self.handing:
             return None
         if not self.left:
-            self.is_done = True
+            self.phase = Phase.DONE
             return None
         return Block("stream", (1,), False)
 
     def update(self, result):
         self.left -= 1
-        self.handing = True
+        self.phase = Phase.HANDING
         self.after_step(self.left)
         self.timer = threading.Timer(self.take_after_s, self._taken)  # the client takes the step a little later
         self.timer.daemon = True
         self.timer.start()
 
     def _taken(self):
-        self.handing = False
+        if self.phase is Phase.HANDING:
+            self.phase = Phase.RUNNING
         self.scheduler.wake()
 
     def abort(self, exc):
-        self.is_done = True
+        self.phase = Phase.DONE
 
 
 class Append(Job):
@@ -116,7 +122,7 @@ class Append(Job):
 
     def plan(self, budget):
         if not self.left:
-            self.is_done = True
+            self.phase = Phase.DONE
             return None
         self._planned = min(budget, self.left)
         self.planned += 1
@@ -126,7 +132,7 @@ class Append(Job):
         self.left -= self._planned
 
     def abort(self, exc):
-        self.is_done = True
+        self.phase = Phase.DONE
 
 
 def wait_until(done, timeout_s: float = HANG_GUARD_S) -> bool:
@@ -166,7 +172,7 @@ def test_appends_keep_their_share_while_the_stream_hands_over(patient):
 
 
 def test_learnt_budget_never_hands_the_whole_batch_to_an_append_beside_a_stream(monkeypatch):
-    monkeypatch.setattr(scheduler_module, "HANDOFF_WAIT_S", 0.0)  # never wait: the append runs while the stream hands over
+    monkeypatch.setattr(policy_module, "HANDOFF_WAIT_S", 0.0)  # never wait: the append runs while the stream hands over
     forwards = _run(append_rows=0)  # the cost model's budget
     alone = [rows for f in forwards for kind, rows in f if kind == "append" and len(f) == 1]
     assert alone, forwards  # the stream mid-hand-over sat those out ...

@@ -20,7 +20,7 @@ from inference_engine.decoding.drafter import Drafter
 from inference_engine.decoding.options import StepOptions
 from inference_engine.decoding.step import StepPlan, StepResult, finish_step, plan_step
 from inference_engine.errors import EngineShutdown, EngineUnavailable
-from inference_engine.runtime.scheduler import Job, resolve
+from inference_engine.runtime.job import Job, Kind, Phase, resolve
 from inference_engine.runtime.types import AppendResult, GenerateParams, StopReason
 from inference_engine.session.coordinator import Checkpoint
 from inference_engine.session.session import Session
@@ -34,10 +34,13 @@ class AppendCancelled(Exception):
 class AppendJob(Job):
     """Feeds an AppendTokens call's tokens in chunks; resolves `future` with the result.
 
-    The result counts as appended only once the caller takes it (`take`, as a Generate step
-    counts once handed to its stream); until then the job is not quiescent, so no describe
-    or close can show an append whose caller went away and whose abort will undo it.
+    Once every token is committed the job is HANDING: the result counts as appended only once
+    the caller takes it (`take`, on the loop thread, which also ends the job: no engine round
+    trip), so no describe or close can show an append whose caller went away and whose abort
+    will undo it.
     """
+
+    kind = Kind.APPEND
 
     def __init__(self, session: Session, tokens: list[int], loop: asyncio.AbstractEventLoop):
         super().__init__(session)
@@ -49,19 +52,13 @@ class AppendJob(Job):
         self._block: Block | None = None
         self.mark: Checkpoint | None = None  # where the session stood before the call (taken at the first plan)
         self._lock = threading.Lock()  # orders `take` (loop thread) against `abort` (engine thread)
-        self._is_computed = False  # every token committed; the result waits for the caller
-        self._is_taken = False  # the caller took the result: it counts as appended
-        self._is_undone = False  # aborted before the caller took it: nothing appended
 
     @property
     def remaining(self) -> int:
         return len(self.tokens) - self.fed
 
     def plan(self, budget: int) -> Block | None:
-        if self._is_computed:  # wait for the caller to take the result, or to go away (then abort undoes it)
-            if self._is_taken:
-                self.is_done = True
-                self._loop.call_soon_threadsafe(resolve, self.finished, None, None)
+        if self.phase is Phase.HANDING:  # the caller takes the result, or goes away (then abort undoes it)
             return None
         if self.session.is_closed:  # closed while appending: undo it (the close reports the history without it)
             self.is_cancelled = True
@@ -81,11 +78,11 @@ class AppendJob(Job):
         self.fed += len(block.tokens)
         if self.fed == len(self.tokens):
             mx.eval(coord.verifier.next_token_logits)  # the call succeeds only once computed
-            self._is_computed = True
+            self.phase = Phase.HANDING
             self._settle(AppendResult(len(coord.log), coord.verifier.next_global_position, tuple(self.tokens)), None)
 
     def take(self, also: Callable[[], None] | None = None) -> bool:
-        """The caller takes the result (loop thread; wake the scheduler after): from here on it counts.
+        """The caller takes the result (loop thread): from here on it counts, and the job has ended.
 
         Args:
             also: what else the append changes in the session (its chat log), done in the same step as
@@ -94,24 +91,25 @@ class AppendJob(Job):
             False if the job was aborted first (the append was undone; `also` is not called).
         """
         with self._lock:
-            if not self._is_undone:
-                self._is_taken = True
-                if also is not None:
-                    also()
-            return self._is_taken
+            if self.phase is not Phase.HANDING:
+                return False
+            if also is not None:
+                also()
+            self.phase = Phase.DONE
+        resolve(self.finished, None, None)
+        return True
 
     def abort(self, exc: BaseException | None) -> None:
         with self._lock:
-            if not self._is_taken:
+            if self.phase is not Phase.DONE:  # not taken: undo it
                 if self.mark is not None:
                     self.session.coordinator.restore(self.mark)
-                self._is_undone = True
-        self.is_done = True
+                self.phase = Phase.DONE
         self._settle(None, exc or AppendCancelled("the append was cancelled; nothing was appended"))
-        self._loop.call_soon_threadsafe(resolve, self.finished, None, None)
+        self.post(self._loop, resolve, self.finished, None, None)
 
     def _settle(self, result: AppendResult | None, exc: BaseException | None) -> None:
-        self._loop.call_soon_threadsafe(resolve, self.future, result, exc)
+        self.post(self._loop, resolve, self.future, result, exc)
 
 
 @dataclass(frozen=True)
@@ -144,7 +142,7 @@ class GenerateJob(Job):
     stream goes away, and a describe never sees it (the job is not quiescent meanwhile).
     """
 
-    is_decoder = True
+    kind = Kind.DECODE
 
     def __init__(self, session: Session, params: GenerateParams, drafter: Drafter | None, stop_ids: frozenset[int],
                  options: StepOptions, text: CallOutput, loop: asyncio.AbstractEventLoop,
@@ -170,11 +168,11 @@ class GenerateJob(Job):
 
     @property
     def is_quiescent(self) -> bool:
-        return self.is_done or (self._unhanded is None and self._block is None)
+        return self.is_done or (self.phase is not Phase.HANDING and self._block is None)
 
     @property
-    def is_ready(self) -> bool:
-        return self._unhanded is None or self.stop is not None or self.is_cancelled
+    def is_handing_over(self) -> bool:
+        return self.phase is Phase.HANDING and self.stop is None and not self.is_cancelled
 
     def hand(self, step: GenerateStep) -> bool:
         """The stream takes `step` (loop thread): it counts as sent. False if it was retracted."""
@@ -182,6 +180,7 @@ class GenerateJob(Job):
             if self._unhanded is not step:
                 return False
             self._unhanded = None
+            self.phase = Phase.RUNNING
         self._wake()
         return True
 
@@ -216,12 +215,15 @@ class GenerateJob(Job):
         item = GenerateStep(step, self.text.step_text())
         with self._lock:
             self._unhanded = item
-        self._loop.call_soon_threadsafe(self.out.put_nowait, item)
+            self.phase = Phase.HANDING
+        self.post(self._loop, self.out.put_nowait, item)
 
     def _retract_unhanded(self) -> None:
         """Take back the step the stream has not taken (it will never be sent)."""
         with self._lock:
             unsent, self._unhanded = self._unhanded, None
+            if self.phase is Phase.HANDING:
+                self.phase = Phase.RUNNING
         if unsent is not None:
             self.session.coordinator.retract(len(unsent.step.tokens), unsent.step.prior_logits)
             self.produced -= len(unsent.step.tokens)
@@ -232,23 +234,30 @@ class GenerateJob(Job):
             self.session.coordinator.end(None)
             self._block = None
         self._retract_unhanded()
-        self.is_done = True
         # Shutting down (or the session closed while a silent route held the step): end the stream properly.
         if isinstance(exc, EngineShutdown) or (isinstance(exc, EngineUnavailable) and self._is_stopping()):
             self.stop = StopReason.CANCELLED
-            self._push_end()
-        elif exc is not None:  # a failure (a shard route not answering: UNAVAILABLE); the sent tokens stay
-            self._loop.call_soon_threadsafe(self.out.put_nowait, exc)
-        self._loop.call_soon_threadsafe(resolve, self.finished, None, None)
+            self._close(self._end_item())
+        else:  # a failure (a shard route not answering: UNAVAILABLE; the sent tokens stay), or cancelled
+            self._close(exc)
 
     def _end(self) -> None:
-        self.is_done = True
-        self._push_end()
-        self._loop.call_soon_threadsafe(resolve, self.finished, None, None)
+        self._close(self._end_item())
 
-    def _push_end(self) -> None:
+    def _end_item(self) -> GenerateEnd:
         held = "" if self._retracted else self.text.finish_text()
-        end = GenerateEnd(self.stop, len(self.session.history), self.drafted, self.accepted, held,
-                          self.text.usage(self.produced), self.params.options.sampling.seed)
-        self._loop.call_soon_threadsafe(self.out.put_nowait, end)
+        return GenerateEnd(self.stop, len(self.session.history), self.drafted, self.accepted, held,
+                           self.text.usage(self.produced), self.params.options.sampling.seed)
+
+    def _close(self, last: GenerateEnd | BaseException | None) -> None:
+        """End the job: `last` (if any) to the stream and `finished` resolved, in one crossing."""
+        self.phase = Phase.DONE
+        self.post(self._loop, _deliver_last, self.out, last, self.finished)
+
+
+def _deliver_last(out: asyncio.Queue, last: object | None, finished: asyncio.Future) -> None:
+    """On the loop: the stream's last item, then the job's end."""
+    if last is not None:
+        out.put_nowait(last)
+    resolve(finished, None, None)
 

@@ -177,9 +177,9 @@ class Runtime:
                 await self._undo_append(job)
                 raise
             # From here on the append counts (no await in between: no cancel can land), with its chat turn.
-            is_taken = job.take(also=lambda: setattr(session, "chat", chat))
-            self.engine.scheduler.wake()
-            if not is_taken:
+            if job.take(also=lambda: setattr(session, "chat", chat)):
+                self.engine.scheduler.settled(session)  # wakes the engine only for a call waiting on the session
+            else:
                 raise EngineUnavailable("the engine is shutting down; nothing was appended")
             return result
         finally:
@@ -232,8 +232,9 @@ class Runtime:
                 self.engine.scheduler.start(job)
                 await self._stream(job, emit)
             finally:
-                job.cancel()  # a no-op if it ended; else its unsent step is retracted
-                self.engine.scheduler.wake()
+                if not job.is_done:  # else it ended by itself: no crossing needed
+                    job.cancel()  # its unsent step is retracted
+                    self.engine.scheduler.wake()
                 await asyncio.wait([job.finished])
                 self._streams.discard(job.finished)
         finally:

@@ -1,21 +1,25 @@
 """The engine loop: schedule → execute → update, on the one thread that runs MLX.
 
-Each iteration gathers the ready work of every session into one backend forward: the
-next decode step of every streaming Generate, speculative verify blocks, and the next chunk
-of each pending AppendTokens. Within the forward each row attends to its own session's cache,
-and the matmuls are row-invariant, so a session's bits never depend on its companions.
+    plan = self.schedule()                    # which rows run next, and why (a `Plan`, data)
+    outputs = self.execute(plan)              # one backend forward for every row of it
+    self.update(plan, outputs)                # each job commits its result and hands it to the loop side
 
-Rows per iteration are bounded (`max_rows`, at most the probed tile). Generate jobs go
-first, then appends, each kind in rotating order; while any Generate is streaming, appends
-get only as many rows as keep the iteration within GAP_SLACK times what the streams' rows
-would take alone (`cost_model.py`, learnt from the loop's own iterations), so a long append
-never starves the decoders; a prompt that fits the rows left goes whole (its TTFT). Jobs
-started while the streams' plans wait for their last forward join the forward being planned.
+A plan gathers the ready work of every session into one forward: the next decode step of
+every streaming Generate, speculative verify blocks, and the next chunk of each pending
+AppendTokens. Within the forward each row attends to its own session's cache, and the
+matmuls are row-invariant, so a session's bits never depend on its companions. How the rows
+are shared (streams first; appends within a learnt budget; a prompt that completes goes whole;
+a moment's wait for streams handing over a step) is `policy.py`'s; the jobs' request state is
+`job.py`'s and `jobs.py`'s.
 
 Between iterations the loop runs plain calls (`run`: create a session, describe it, ...).
 A call tied to a session (`run_quiescent`) waits until that session's job is at a clean
-point (a Generate with every step handed to its stream; an append finished), so it never
-sees work no client was sent.
+point (a Generate with every step handed to its stream; an append finished and taken), so it
+never sees work no client was sent.
+
+Thread crossings (`Crossings`, counted here and by the jobs): an append is two, its start and
+its result (three when a call waits for its session: the take wakes the loop for it); a decode
+step is two, the step to the stream and the stream's take back (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -24,7 +28,6 @@ import asyncio
 import logging
 import threading
 import time
-from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, TypeVar
@@ -32,57 +35,17 @@ from typing import Callable, TypeVar
 import mlx.core as mx
 
 from inference_engine.errors import EngineShutdown, EngineUnavailable
+from inference_engine.runtime import policy
 from inference_engine.runtime.cost_model import CostModel
+from inference_engine.runtime.job import Crossings, Job, Kind, Phase, resolve
+from inference_engine.runtime.plan import Plan, Row, Why
+from inference_engine.runtime.policy import Policy
 from inference_engine.session.session import Session
-from inference_engine.verifier.executor import Backend, Block
+from inference_engine.verifier.executor import Backend
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 STATS_EVERY_S = 30.0  # how often the loop logs its batch sizes (when it did any work)
-GAP_SLACK = 2.0  # while streams run, an iteration may take this many times what their rows alone would
-FINISH_SLACK = 2.5  # ... or this many, for an append that completes in it (a new session's prompt: TTFT)
-HANDOFF_WAIT_S = 0.01  # a forward waits at most this long for streams handing over a step to rejoin it
-IDLE_S = 0.02  # a longer wait for work (a slow client, no work) ends the stream period being timed
-
-
-class Job(ABC):
-    """One call's work on one session, advanced by the scheduler one block at a time (engine thread)."""
-
-    is_decoder: bool = False  # streams tokens (scheduled first; limits appends' share)
-    remaining: int = 0  # rows still to compute (appends), for the finishing rule
-
-    @property
-    def is_ready(self) -> bool:
-        """It has a block to plan now (a stream is not, while its client takes its last step)."""
-        return True
-
-    def __init__(self, session: Session):
-        self.session = session
-        self.is_cancelled = False  # set from any thread; takes effect at the job's next iteration
-        self.is_done = False  # the job has finished (set by the job on the engine thread)
-        self.queued_at = time.monotonic()  # when the job was started; None once its first block ran
-        self.has_run = False  # its first block has been planned
-
-    def cancel(self) -> None:
-        """Stop at the next iteration (thread-safe)."""
-        self.is_cancelled = True
-
-    @abstractmethod
-    def plan(self, budget: int) -> Block | None:
-        """This iteration's block (at most `budget` rows), or None to sit this one out."""
-
-    @abstractmethod
-    def update(self, result: object) -> None:
-        """Take the planned block's result (logits or the exception that stopped it)."""
-
-    @abstractmethod
-    def abort(self, exc: BaseException | None) -> None:
-        """End now: undo what no client saw succeed; `exc` is why (None: cancelled). Sets is_done."""
-
-    @property
-    def is_quiescent(self) -> bool:
-        """Nothing computed for this job is unsent: a describe would show only what clients saw."""
-        return self.is_done
 
 
 @dataclass
@@ -123,30 +86,45 @@ class Scheduler:
             backend: the engine's current backend (read at every iteration).
             max_rows: most rows in one forward (the probed tile at most).
             append_rows: append rows per iteration while a Generate streams; 0 = as many as
-                keep the iteration within GAP_SLACK times the streams' rows alone (learnt).
+                keep the iteration within policy.GAP_SLACK times the streams' rows alone (learnt).
             clock: seconds, for the cost model's periods and the forwards' timings (a test's
                 virtual clock makes them exact, whatever the machine's load).
         """
         self._backend = backend
         self._clock = clock
-        self.max_rows = max_rows
-        self.append_rows = min(append_rows, max_rows)
-        self.cost = CostModel(max_rows)
+        self.policy = Policy(max_rows, append_rows)
         self._last: tuple[int, float] | None = None  # rows of the last forward with streams, and when they were planned
-        self._hold_until: float | None = None  # waiting for streams mid-hand-over until then (monotonic)
         self._hold: float | None = None  # the next wait's timeout (streams mid-hand-over)
         self._calls: deque[_Call] = deque()
-        self._deferred: list[_Call] = []
+        self._deferred: list[_Call] = []  # calls waiting for their session's job to be quiescent (under _lock)
         self._new_jobs: deque[Job] = deque()
         self._jobs: list[Job] = []
+        self._ended = False  # a job ended in this iteration (calls waiting for its session may run)
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._is_closed = False
         self.stats = BatchStats()
+        self.crossings = Crossings()  # hand-offs between the event loop(s) and this thread
         self.observers: list[Callable[[int, int, float], None]] = []  # (rows, sessions, seconds) per forward
+        self.on_plan: list[Callable[[Plan], None]] = []  # every plan, before it is executed
         self.on_queue_wait: Callable[[float], None] | None = None  # seconds a job waited for its first block
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+
+    @property
+    def max_rows(self) -> int:
+        """Most rows in one forward."""
+        return self.policy.max_rows
+
+    @property
+    def append_rows(self) -> int:
+        """Fixed append rows beside streams (0: learnt)."""
+        return self.policy.append_rows
+
+    @property
+    def cost(self) -> CostModel:
+        """The learnt cost model the policy reads."""
+        return self.policy.cost
 
     # -- from the event loop --------------------------------------------------------------
 
@@ -164,7 +142,7 @@ class Scheduler:
             if self._is_closed:
                 raise EngineUnavailable("the engine is shutting down; retry against a live server")
             self._calls.append(call)
-        self._wake.set()
+        self.wake()
         return call.future
 
     async def run(self, fn: Callable[..., T], *args: object, session: Session | None = None) -> T:
@@ -186,15 +164,25 @@ class Scheduler:
         Raises:
             EngineUnavailable: the scheduler is closed.
         """
+        job.crossings = self.crossings
         with self._lock:
             if self._is_closed:
                 raise EngineUnavailable("the engine is shutting down; retry against a live server")
             self._new_jobs.append(job)
-        self._wake.set()
+        self.wake()
 
     def wake(self) -> None:
         """Something a job waits for happened (e.g. a stream took its tokens)."""
+        self.crossings.count(to_engine=1)
         self._wake.set()
+
+    def settled(self, session: Session) -> None:
+        """The loop side ended a job of `session` (took an append's result): wake the engine thread only if a
+        call waits for that session's clean point (nothing else needs it to notice at once)."""
+        with self._lock:
+            is_waited_for = any(c.session is session for c in self._deferred)
+        if is_waited_for:
+            self.wake()
 
     def close(self) -> None:
         """Refuse new work, abort running jobs, finish queued calls, stop the thread (blocking)."""
@@ -209,16 +197,16 @@ class Scheduler:
         while True:
             waiting = self._clock()
             self._wake.wait(self._hold)
-            if self._clock() - waiting > IDLE_S:  # longer than a hand-over: not the last forward's cost
+            if self._clock() - waiting > policy.IDLE_S:  # longer than a hand-over: not the last forward's cost
                 self._last = None
             self._hold = None
             self._wake.clear()
             with self._lock:
-                calls, self._calls = list(self._calls), deque()
+                self._deferred.extend(self._calls)
+                self._calls.clear()
                 self._jobs.extend(self._new_jobs)
                 self._new_jobs.clear()
                 closing = self._is_closed
-            self._deferred.extend(calls)
             if closing:
                 for job in self._jobs:
                     self._finish(job, EngineShutdown("the engine is shutting down"))
@@ -227,15 +215,15 @@ class Scheduler:
             if closing and not self._deferred:
                 mx.synchronize()  # nothing of this thread's may still run in MLX when it ends (mlx#3126)
                 return
-            if self._iterate_or_fail():
+            if self._step_or_fail():
                 self._wake.set()  # there may be more to do: go round again without sleeping
 
-    def _iterate_or_fail(self) -> bool:
-        """`_iterate`, containing a fault of the loop itself (not of one job, which `_iterate` keeps to
-        that job): the jobs it was running end with the error (their clients get INTERNAL and nothing
-        they did not see succeed is kept), and the thread lives on for every later call and job."""
+    def _step_or_fail(self) -> bool:
+        """`step`, containing a fault of the loop itself (not of one job, which `step` keeps to that job):
+        the jobs it was running end with the error (their clients get INTERNAL and nothing they did not
+        see succeed is kept), and the thread lives on for every later call and job."""
         try:
-            return self._iterate()
+            return self.step()
         except Exception as exc:  # noqa: BLE001 - the engine thread must survive its own faults
             log.exception("an engine loop iteration failed; ending the %d jobs it was running", len(self._jobs))
             for job in self._jobs:
@@ -246,88 +234,103 @@ class Scheduler:
             return True
 
     def _run_ready_calls(self, closing: bool) -> None:
-        busy = {id(j.session): j for j in self._jobs}
-        waiting = []
-        for call in self._deferred:
-            job = busy.get(id(call.session)) if call.session is not None else None
-            if job is not None and not job.is_quiescent and not closing:
-                waiting.append(call)
-                continue
+        # Which calls may run is decided under the lock `settled` takes, so a take that makes a session's
+        # job quiescent either comes first (the call runs now) or sees the call waiting (and wakes us).
+        with self._lock:
+            busy = {id(j.session) for j in self._jobs if not j.is_quiescent} if not closing else set()
+            ready = [c for c in self._deferred if c.session is None or id(c.session) not in busy]
+            self._deferred = [c for c in self._deferred if c.session is not None and id(c.session) in busy]
+        for call in ready:
             self._last = None  # the time until the next forward is not the last forward's cost alone
             try:
                 result, error = call.fn(*call.args), None
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 result, error = None, exc
+            self.crossings.count(to_loop=1)
             call.loop.call_soon_threadsafe(resolve, call.future, result, error)
-        self._deferred = waiting
 
-    def _iterate(self) -> bool:
-        """One schedule → execute → update pass; whether any job advanced."""
+    def step(self) -> bool:
+        """One schedule → execute → update pass; whether there may be more to do at once."""
         started = self._clock()
+        self._ended = False
+        self._drop_ended()
+        if not self._jobs:
+            self._last = None
+            return self._ended
+        plan = self.schedule()
+        if plan is None:
+            return self._ended or any(j.is_done for j in self._jobs)
+        outputs = self.execute(plan)
+        self.update(plan, outputs)
+        self._account(plan.n_rows, len(plan.rows), self._clock() - started)
+        return True
+
+    def schedule(self) -> Plan | None:
+        """The next forward's rows, each with its rule (`policy.py`); None: nothing to run now.
+
+        Planning stages each job's block on its session (`Job.plan`); a job that fails to plan ends
+        alone. Planning the streams waits for their last forward (their next tokens come from its
+        logits), so this is where a stream's period ends and is fed to the cost model.
+        """
+        decoders = [j for j in self._jobs if j.kind is Kind.DECODE]
+        appends = [j for j in self._jobs if j.kind is Kind.APPEND]
+        late = sum(1 for j in decoders if j.is_handing_over)
+        self._hold = self.policy.hold(late, len(decoders), bool(appends), time.monotonic())
+        if self._hold is not None:
+            return None
+        rows: list[Row] = []
+        self._plan(decoders, self.max_rows, rows, Why.DECODE)
+        # Jobs started while the streams' plans waited for their last forward join this forward.
+        joined = self._join_new_jobs()
+        self._plan([j for j in joined if j.kind is Kind.DECODE], self.max_rows - _rows(rows), rows, Why.JOINED)
+        decoders += [j for j in joined if j.kind is Kind.DECODE]
+        appends += [j for j in joined if j.kind is Kind.APPEND]
+        planned_at = self._clock()  # the streams read their last forward's logits: it is done
+        if rows and self._last is not None:  # a stream's period: that forward, its hand-over, this plan
+            self.cost.observe(self._last[0], planned_at - self._last[1])
+        # A stream still mid-hand-over sits this iteration out; it counts as a row, so appends
+        # never get a forward it would wait behind.
+        streams = _rows(rows) + sum(1 for j in decoders if not j.is_done and all(j is not r.job for r in rows))
+        room = self.max_rows - _rows(rows)
+        budget: int | None = None
+        if streams and room > 0 and appends:
+            budget = self.policy.append_budget(streams, room)
+            first = self.policy.finishing(appends, streams, budget, room)
+            if first is not None:  # it completes in this forward: it goes first, whole
+                self._plan([first], first.remaining, rows, Why.FINISHING)
+                appends = [j for j in appends if j is not first]
+                room -= sum(len(r.block.tokens) for r in rows if r.job is first)
+            room = min(budget, room)
+        self._plan(appends, room, rows, Why.FILL if budget is None else Why.SLICE)
+        self._rotate()
+        if not rows:
+            return None
+        plan = Plan(tuple(rows), streams, budget, planned_at)
+        for observe in self.on_plan:
+            observe(plan)
+        return plan
+
+    def execute(self, plan: Plan) -> list[mx.array | BaseException]:
+        """Forward every block of `plan` in one backend call (results may still be computing)."""
+        return self._backend().forward([r.block for r in plan.rows], wait=False)
+
+    def update(self, plan: Plan, outputs: list[mx.array | BaseException]) -> None:
+        """Each job commits its result and hands it to the loop side; a job that fails ends alone."""
+        for row, result in zip(plan.rows, outputs):
+            try:
+                row.job.update(result)
+            except BaseException as exc:  # noqa: BLE001 - one session's failure stays its own
+                self._finish(row.job, exc)
+        self._last = (plan.n_rows, plan.planned_at) if plan.is_streaming else None
+
+    def _drop_ended(self) -> None:
+        """End the cancelled jobs and drop the ended ones (calls waiting for their sessions may run)."""
         for job in list(self._jobs):
             if job.is_cancelled and not job.is_done:
                 self._finish(job, None)
         running = [j for j in self._jobs if not j.is_done]
-        ended = len(running) < len(self._jobs)  # calls waiting for those sessions may run now
+        self._ended |= len(running) < len(self._jobs)
         self._jobs = running
-        if not self._jobs:
-            self._last = None
-            return ended
-        planned: list[tuple[Job, Block]] = []
-        decoders = [j for j in self._jobs if j.is_decoder]
-        appends = [j for j in self._jobs if not j.is_decoder]
-        # Streams whose last step is still being handed to their clients rejoin within a moment:
-        # wait for them (HANDOFF_WAIT_S at most) rather than split the streams over two forwards,
-        # or give appends a forward the late streams would wait behind.
-        late = sum(1 for j in decoders if not j.is_ready)
-        if late and (late < len(decoders) or appends):
-            now = time.monotonic()
-            if self._hold_until is None:
-                self._hold_until = now + HANDOFF_WAIT_S
-            if now < self._hold_until:
-                self._hold = self._hold_until - now
-                return ended
-        self._hold_until = None
-        ended |= self._plan(decoders, self.max_rows, planned)
-        # Planning the streams waited for their last forward (their next tokens come from its
-        # logits): jobs started meanwhile join this forward rather than wait for the next one.
-        joined = self._join_new_jobs()
-        ended |= self._plan([j for j in joined if j.is_decoder], self.max_rows - sum(len(b.tokens) for _, b in planned),
-                            planned)
-        decoders += [j for j in joined if j.is_decoder]
-        appends += [j for j in joined if not j.is_decoder]
-        planned_at = self._clock()  # the streams read their last forward's logits: it is done
-        streaming = bool(planned)
-        if streaming and self._last is not None:  # a stream's period: that forward, its hand-over, this plan
-            self.cost.observe(self._last[0], planned_at - self._last[1])
-        rows = sum(len(b.tokens) for _, b in planned)
-        # A stream still mid-hand-over sits this iteration out; it counts as a row, so appends
-        # never get a forward it would wait behind.
-        streams = rows + sum(1 for j in decoders if not j.is_done and all(j is not p for p, _ in planned))
-        room = self.max_rows - rows
-        if streams and room > 0 and appends:
-            budget = (min(self.append_rows, room) if self.append_rows
-                      else self.cost.append_budget(streams, room, GAP_SLACK, fallback=max(1, room // 4)))
-            first = self._finishing(appends, streams, budget, room)
-            if first is not None:  # it completes in this iteration: it goes first, whole
-                ended |= self._plan([first], first.remaining, planned)
-                appends = [j for j in appends if j is not first]
-                room -= sum(len(b.tokens) for j, b in planned if j is first)
-            room = min(budget, room)
-        ended |= self._plan(appends, room, planned)
-        self._rotate()
-        if not planned:
-            return ended or any(j.is_done for j in self._jobs)
-        rows = sum(len(b.tokens) for _, b in planned)
-        results = self._backend().forward([b for _, b in planned], wait=False)
-        for (job, _), result in zip(planned, results):
-            try:
-                job.update(result)
-            except BaseException as exc:  # noqa: BLE001 - one session's failure stays its own
-                self._finish(job, exc)
-        self._last = (rows, planned_at) if streaming else None
-        self._account(rows, len(planned), self._clock() - started)
-        return True
 
     def _join_new_jobs(self) -> list[Job]:
         """The jobs started since the loop last took them, now part of this iteration (unless closing)."""
@@ -339,32 +342,8 @@ class Scheduler:
         self._jobs.extend(joined)
         return joined
 
-    def _finishing(self, appends: list[Job], streams: int, budget: int, room: int) -> Job | None:
-        """The append that completes in this iteration, first and whole, if any; it exceeds `budget` but fits `room`.
-
-        A prompt that has not started (a new session's, or a new turn's) goes whole: sliced into
-        budget-sized pieces it adds the same work to the streams' iterations, only spread over
-        several, while its time to first token grows with every slice (3.3x idle beside 7 streams).
-        The rest of a long append goes whole only within FINISH_SLACK of the streams alone, so a
-        long append stays sliced to its end.
-        """
-        if self.append_rows:
-            return None
-        fitting = [j for j in appends if budget < j.remaining <= room]
-        if not fitting:
-            return None
-        fresh = [j for j in fitting if not j.has_run]
-        if fresh:
-            return min(fresh, key=lambda j: j.remaining)
-        short = min(fitting, key=lambda j: j.remaining)
-        base, whole = self.cost.base(streams), self.cost.estimate(streams + short.remaining)
-        if base is None or whole is None or whole > FINISH_SLACK * base:
-            return None
-        return short
-
-    def _plan(self, jobs: list[Job], room: int, planned: list[tuple[Job, Block]]) -> bool:
-        """Plan `jobs` in turn within `room` rows, appending to `planned`; whether any job ended."""
-        ended = False
+    def _plan(self, jobs: list[Job], room: int, rows: list[Row], why: Why) -> None:
+        """Plan `jobs` in turn within `room` rows, appending to `rows`."""
         for job in jobs:
             if room <= 0:
                 break
@@ -372,32 +351,30 @@ class Scheduler:
                 block = job.plan(room)
             except BaseException as exc:  # noqa: BLE001 - one session's failure stays its own
                 self._finish(job, exc)
-                ended = True
                 continue
             if block is None:
                 if job.is_cancelled and not job.is_done:  # it gave up while planning (e.g. its session closed)
                     self._finish(job, None)
-                    ended = True
                 continue
-            planned.append((job, block))
+            rows.append(Row(job, block, why))
             room -= len(block.tokens)
-            if not job.has_run:
-                job.has_run = True
+            if job.phase is Phase.WAITING:
+                job.phase = Phase.RUNNING
                 if self.on_queue_wait is not None:
                     self.on_queue_wait(time.monotonic() - job.queued_at)
-        return ended
 
     def _finish(self, job: Job, exc: BaseException | None) -> None:
         try:
             job.abort(exc)
         except BaseException:  # noqa: BLE001 - the job must end whatever happens
-            log.exception("aborting a job of session %s failed", job.session.tag)
-        job.is_done = True
+            log.exception("aborting a job of session %s failed", getattr(job.session, "tag", "?"))
+        job.phase = Phase.DONE
+        self._ended = True
 
     def _rotate(self) -> None:
         """Move the first job of each kind to the back (fair turns when the budget is short)."""
-        for kind in (True, False):
-            first = next((j for j in self._jobs if j.is_decoder == kind), None)
+        for kind in Kind:
+            first = next((j for j in self._jobs if j.kind is kind), None)
             if first is not None:
                 self._jobs.remove(first)
                 self._jobs.append(first)
@@ -414,11 +391,5 @@ class Scheduler:
             self.stats = BatchStats()
 
 
-def resolve(future: asyncio.Future, result: object, error: BaseException | None) -> None:
-    """Settle `future` with `result` or `error` (on its loop; a no-op if it is already settled)."""
-    if future.done():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
+def _rows(rows: list[Row]) -> int:
+    return sum(len(r.block.tokens) for r in rows)
