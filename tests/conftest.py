@@ -13,13 +13,14 @@ import grpc
 import pytest
 
 from inference_engine.config import ServerConfig, default_cache_dir
-from inference_engine.model.loader import LoadedModel, load_model, random_model
+from inference_engine.model.loader import LoadedModel, load_model
 from inference_engine.model.packaged import ensure_packaged_model
 from inference_engine.runtime.engine import Engine
 from inference_engine.runtime.runtime import Runtime
 from inference_engine.server.server import start_server
 from inference_engine.v1 import runtime_pb2_grpc as pb_grpc
 from tests.kernel_guard import assert_full_tile, bind_test_kernels
+from tests.tiny_models import random_model
 
 _ARITHMETIC: dict[str, str] = {}  # which path this run tests (pytest_report_header shows it)
 

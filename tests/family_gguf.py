@@ -15,9 +15,9 @@ import numpy as np
 
 from inference_engine.model.families import family_of
 from inference_engine.model.gguf_convert import _BLOCK_NAMES
-from inference_engine.model.loader import TINY_ARGS, random_model
 from tests.family_models import FAMILY_CONFIGS
 from tests.tiny_gguf import _permute
+from tests.tiny_models import TINY_ARGS, random_model
 
 K_QUANT_SCALES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}  # byte offsets of fp16 scales in a block
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from inference_engine.model.loader import TINY_ARGS, random_model
+from tests.tiny_models import TINY_ARGS, random_model
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 64}

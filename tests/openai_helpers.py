@@ -43,4 +43,10 @@ async def http_api(engine: Engine, authenticator: Authenticator | None = None, *
     finally:
         await http.stop(0.5)
         await runtime.stop()
-        runtime.store.close_all()
+        close_every_session(runtime)
+
+
+def close_every_session(runtime: Runtime) -> None:
+    """Close every session of `runtime` and free what is idle (the shared engine's slabs)."""
+    for session in runtime.store.sessions():
+        runtime.store.close(session.session_id, session.owner)

@@ -127,3 +127,41 @@ def test_no_file_over_about_400_lines():
     long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py") if "v1" not in p.parts
             and (n := len(p.read_text().splitlines())) > 430}
     assert long == {}
+
+
+REPO = PACKAGE.parent
+# Modules outside tests/ that still import a test helper, each with why it is not fixed here. The test
+# fails once one no longer does, so the list cannot go stale.
+PENDING_TEST_IMPORTS = {
+    "scripts/reliability.py": "its throwaway CA comes from tests/certs.py until the reliability battery's move "
+                              "(issue 29, another branch) gives it one of its own",
+}
+
+
+def imported_test_helpers(source: str) -> list[str]:
+    """The `tests` modules `source` imports (any import statement, lazy ones included)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        found += [n for n in names if n == "tests" or n.startswith("tests.")]
+    return found
+
+
+def test_no_module_outside_tests_imports_a_test_helper():
+    """Test-only code lives in tests/ (tiny models, whole-operation helpers): the package and the scripts
+    never import it, so nothing a server runs depends on a test helper."""
+    outside = sorted(PACKAGE.rglob("*.py")) + sorted((REPO / "scripts").rglob("*.py"))
+    found = {str(p.relative_to(REPO)): imported_test_helpers(p.read_text()) for p in outside if "v1" not in p.parts}
+    found = {path: names for path, names in found.items() if names}
+    assert sorted(found) == sorted(PENDING_TEST_IMPORTS), found
+
+
+def test_the_test_helper_rule_sees_lazy_imports():
+    source = "import os\ndef f():\n    from tests.tiny_models import random_model\nimport tests.certs as c\n"
+    assert sorted(imported_test_helpers(source)) == ["tests.certs", "tests.tiny_models"]
+    assert imported_test_helpers("from .tests import x\nimport testsuite\n") == []

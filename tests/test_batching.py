@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import pytest
 
-from inference_engine.model.loader import random_model
 from inference_engine.runtime.engine import Engine
 from tests.batching_helpers import DRAFT, GREEDY, LOOKUP, Scenario, assert_batch_invariant
 from tests.batching_helpers import random_tokens as _tokens
 from tests.kernel_guard import assert_full_tile
+from tests.tiny_models import random_model
 
 
 @pytest.fixture(scope="module")

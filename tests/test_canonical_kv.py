@@ -16,6 +16,7 @@ from inference_engine.shard.client.route_backend import RouteBackend
 from inference_engine.shard.protocol.types import LayerRange
 from inference_engine.shard.worker.mlx_engine import MlxShardEngine
 from inference_engine.verifier.kv_cache import CacheGeometry, CanonicalKV, SinkWindowKVCache
+from tests.coordinator_helpers import append_alone, verify_alone
 from tests.kernel_guard import assert_full_tile
 from tests.shard_helpers import shard_server
 
@@ -58,19 +59,19 @@ def test_cache_load_canonical_round_trip():
 
 def _script(coord: SessionCoordinator) -> None:
     """Prefill, appends past the window, a verified block with a partial accept, a retract."""
-    coord.append(TOKENS[:9])
-    coord.append(TOKENS[9:20])
+    append_alone(coord, TOKENS[:9])
+    append_alone(coord, TOKENS[9:20])
     block = TOKENS[20:25]
-    coord.verify(block)
+    verify_alone(coord, block)
     coord.accept(block, 2)
     coord.retract(1, None)  # logits unknown: the next step recomputes them
-    coord.append(TOKENS[25:27])
+    append_alone(coord, TOKENS[25:27])
 
 
 def _continue(coord: SessionCoordinator) -> tuple[bytes, str]:
     """More work after the restore point; returns the verify logits and the final digest."""
-    coord.append(TOKENS[30:37])
-    logits = np.array(coord.verify(TOKENS[37:41]))
+    append_alone(coord, TOKENS[30:37])
+    logits = np.array(verify_alone(coord, TOKENS[37:41]))
     coord.accept(TOKENS[37:41], 3)
     return logits.tobytes(), coord.state_digest()
 
@@ -94,7 +95,7 @@ async def test_local_state_round_trip_continues_bitwise(engine):
 
 def _refusals(engine: Engine) -> None:
     src = engine.open_session(SINK, WINDOW)
-    src.append(TOKENS[:12])
+    append_alone(src, TOKENS[:12])
     tokens, logits, kv = src.export_state()
     g = src.geometry
     with pytest.raises(InvariantViolation, match="fresh cache"):

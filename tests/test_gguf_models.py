@@ -17,7 +17,7 @@ import pytest
 
 from inference_engine.model.forward import forward
 from inference_engine.model.gguf_model import SUPPORTED_TYPES
-from inference_engine.model.loader import TINY_ARGS, load_gguf_model, random_model
+from inference_engine.model.loader import load_gguf_model
 from inference_engine.runtime.engine import Engine
 from inference_engine.served_model import load_served_model
 from inference_engine.verifier.kv_cache import CacheGeometry
@@ -26,6 +26,7 @@ from tests.exactness import chunkings, feed
 from tests.family_gguf import write_family_gguf
 from tests.family_models import FAMILY_CONFIGS
 from tests.kernel_guard import assert_full_tile
+from tests.tiny_models import TINY_ARGS, random_model
 
 FAMILIES = ["gemma3_text", "llama", "qwen2", "qwen3"]
 LINEARS = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",

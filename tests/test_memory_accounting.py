@@ -5,11 +5,11 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from inference_engine.model.loader import random_model
 from inference_engine.runtime.engine import Engine
 from inference_engine.v1 import runtime_pb2 as pb
 from tests.conftest import running_server
 from tests.kernel_guard import assert_full_tile
+from tests.tiny_models import random_model
 
 PROMPT = [5, 17, 33, 2, 250, 9, 9, 120, 64, 3]
 

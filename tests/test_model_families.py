@@ -21,6 +21,7 @@ from inference_engine.model.loader import load_model
 from inference_engine.runtime.engine import Engine
 from inference_engine.session.coordinator import SessionCoordinator
 from inference_engine.v1 import runtime_pb2 as pb
+from tests.coordinator_helpers import append_alone
 from tests.exactness import chunkings, feed
 from tests.family_models import FAMILY_CONFIGS, save_family_model
 from tests.kernel_guard import assert_full_tile
@@ -86,12 +87,12 @@ def test_fork_restore_continues_bitwise(family):
     _, _, engine, _ = family
     tokens = _tokens(3, N)
     a = engine.open_session(SINK, WINDOW)
-    a.append(tokens[:45])
+    append_alone(a, tokens[:45])
     log, logits, kv = a.export_state()
     b = SessionCoordinator.from_state(engine.backend, engine.geometry(SINK, WINDOW), log, logits, kv)
     assert b.state_digest() == a.state_digest()
     for c in (a, b):
-        c.append(tokens[45:])
+        append_alone(c, tokens[45:])
     assert b.state_digest() == a.state_digest()
     a.close()
     b.close()

@@ -17,7 +17,7 @@ from inference_engine.runtime.types import GenerateChunk
 from inference_engine.security.authenticator import Authenticator
 from inference_engine.server.openai_api.http_server import HttpFrontend
 from tests.conftest import make_config
-from tests.openai_helpers import http_api
+from tests.openai_helpers import close_every_session, http_api
 
 PROMPT = [5, 17, 42, 99, 3]
 
@@ -197,4 +197,4 @@ async def test_https_with_the_grpc_ports_certificate_and_tokens(tiny_engine, pki
                 await plain.get(f"http://127.0.0.1:{port}/health")
     finally:
         await http.stop(0.1)
-        runtime.store.close_all()
+        close_every_session(runtime)

@@ -12,7 +12,6 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from inference_engine.errors import InvalidRequest
-from inference_engine.model.loader import random_model
 from inference_engine.runtime.engine import Engine
 from inference_engine.runtime.runtime import Runtime
 from inference_engine.runtime.types import AppendParams, CreateSessionParams
@@ -22,6 +21,7 @@ from inference_engine.v1 import runtime_pb2 as pb
 from tests.conftest import make_config, running_server
 from tests.kernel_guard import assert_full_tile
 from tests.ops_helpers import rpc_error, serving
+from tests.tiny_models import random_model
 
 PROMPT = (5, 17, 33, 2, 250, 9, 9, 120, 64, 3)
 

@@ -14,6 +14,7 @@ from inference_engine.session.session import Session
 from inference_engine.session.session_store import SessionStore
 from inference_engine.verifier import executor as executor_mod
 from inference_engine.verifier import tile_probe
+from tests.coordinator_helpers import append_alone
 from tests.kernel_guard import assert_full_tile
 
 
@@ -33,7 +34,7 @@ def _session(engine) -> Session:
 def test_failed_compute_commits_nothing_and_leaves_the_cache_exact(engine, monkeypatch, tokens):
     s = _session(engine)
     coord = s.coordinator
-    coord.append([1, 2, 3, 4, 5])
+    append_alone(coord, [1, 2, 3, 4, 5])
     digest = coord.verifier.state_digest()
     real, calls = executor_mod.forward, []
 
@@ -46,24 +47,24 @@ def test_failed_compute_commits_nothing_and_leaves_the_cache_exact(engine, monke
 
     monkeypatch.setattr(executor_mod, "forward", explode)
     with pytest.raises(RuntimeError, match="boom"):
-        coord.append(tokens)
+        append_alone(coord, tokens)
     monkeypatch.undo()
     assert list(s.history) == [1, 2, 3, 4, 5]
     assert coord.state_digest() == digest  # back where it was (rebuilt from the log if need be)
     assert calls == [len(tokens)] + ([5] if len(tokens) > 21 else [])  # a rebuild only beyond the ring's slack
-    coord.append(tokens)
+    append_alone(coord, tokens)
     ref = _session(engine)
-    ref.coordinator.append([1, 2, 3, 4, 5, *tokens])
+    append_alone(ref.coordinator, [1, 2, 3, 4, 5, *tokens])
     assert coord.verifier.state_digest() == ref.coordinator.verifier.state_digest()
 
 
 def test_invariant_violation_is_reported(engine):
     s = _session(engine)
     coord = s.coordinator
-    coord.append([1, 2, 3])
+    append_alone(coord, [1, 2, 3])
     s.history.extend([9])  # the log ahead of the cache: INV-2 broken
     with pytest.raises(InvariantViolation, match="next_global_position 3 != history length 4"):
-        coord.append([4])
+        append_alone(coord, [4])
     assert status_of(InvariantViolation("x")).name == "FAILED_PRECONDITION"
     assert status_of(KeyError("x")).name == "INTERNAL"
 
@@ -71,22 +72,22 @@ def test_invariant_violation_is_reported(engine):
 def test_restore_undoes_an_append_within_and_beyond_the_rollback_room(engine):
     s = _session(engine)
     coord = s.coordinator
-    coord.append(list(range(1, 12)))
+    append_alone(coord, list(range(1, 12)))
     digest, mark = coord.verifier.state_digest(), coord.checkpoint()
-    coord.append([20, 21])
+    append_alone(coord, [20, 21])
     coord.restore(mark)  # a trim
     assert coord.verifier.state_digest() == digest and len(s.history) == 11
-    coord.append(list(range(30, 60)))  # wraps the window many times
+    append_alone(coord, list(range(30, 60)))  # wraps the window many times
     coord.restore(mark)  # a rebuild from the log
     assert coord.verifier.state_digest() == digest and list(s.history) == list(range(1, 12))
     deep = coord.checkpoint(tokens_to_come=30)
     assert deep.kv is not None and mark.kv is None
-    coord.append(list(range(30, 60)))
+    append_alone(coord, list(range(30, 60)))
     coord.restore(deep)  # the K/V snapshot put back
     assert coord.verifier.state_digest() == digest and list(s.history) == list(range(1, 12))
-    coord.append([20, 21])
+    append_alone(coord, [20, 21])
     ref = _session(engine)
-    ref.coordinator.append(list(range(1, 12)) + [20, 21])
+    append_alone(ref.coordinator, list(range(1, 12)) + [20, 21])
     assert coord.verifier.state_digest() == ref.coordinator.verifier.state_digest()
 
 

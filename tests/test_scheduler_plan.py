@@ -158,3 +158,44 @@ def test_an_append_crosses_threads_twice_and_a_decode_step_twice(engine, append_
     append, generate = asyncio.run(_crossings(engine, append_tokens, steps=6))
     assert append == 2
     assert generate == 2 * 6 + 2
+
+
+def test_taking_an_append_wakes_the_engine_only_for_a_call_waiting_on_its_session():
+    """The loop side ends a taken append itself; the engine thread hears of it only when a call (a describe,
+    a close) waits for that session's clean point, and that call then runs."""
+    sched = Scheduler(lambda: FakeBackend(), max_rows=64)
+    session, other = FakeSession("s"), FakeSession("t")
+
+    class Computed(Append):  # TEST FIXTURE: its result waits for the caller, as AppendJob's does
+        def plan(self, budget):
+            return None if self.phase is Phase.HANDING else super().plan(budget)
+
+        def update(self, result):
+            self.left -= self._planned
+            if not self.left:
+                self.phase = Phase.HANDING
+
+    async def main() -> None:
+        first, second = Computed("s", 10), Computed("s", 10)
+        first.session = second.session = session
+        sched.start(first)
+        assert await asyncio.to_thread(wait_until, lambda: first.phase is Phase.HANDING)
+        before = sched.crossings.to_engine
+        first.phase = Phase.DONE  # the caller took it
+        sched.settled(session)
+        assert sched.crossings.to_engine == before  # no call waits: no wake
+        sched.start(second)
+        assert await asyncio.to_thread(wait_until, lambda: second.phase is Phase.HANDING)
+        described = sched.submit(lambda: "described", session=session)
+        unrelated = await asyncio.wait_for(sched.submit(lambda: "other", session=other), HANG_GUARD_S)
+        assert unrelated == "other" and not described.done()  # it waits for the append to be taken
+        before = sched.crossings.to_engine
+        second.phase = Phase.DONE
+        sched.settled(session)
+        assert sched.crossings.to_engine == before + 1
+        assert await asyncio.wait_for(described, HANG_GUARD_S) == "described"
+
+    try:
+        asyncio.run(main())
+    finally:
+        sched.close()

@@ -9,6 +9,7 @@ from inference_engine.runtime.runtime import Runtime
 from inference_engine.runtime.types import CreateSessionParams
 from inference_engine.verifier.token_log import TokenLog
 from tests.conftest import make_config
+from tests.coordinator_helpers import append_alone
 
 
 def test_prepared_storage_is_the_sessions_own_zeroed_kv(tiny_engine):
@@ -42,9 +43,9 @@ async def test_create_session_prepares_off_the_engine_thread_and_computes_the_sa
     assert threads and threads[0] != "mlx-engine" and threads[0] != threading.main_thread().name
     session = runtime.store.get(sid)
     tokens = [5, 17, 33, 2, 250, 9, 9, 120]
-    session.coordinator.append(tokens)  # a prepared slab computes what an unprepared one does
+    append_alone(session.coordinator, tokens)  # a prepared slab computes what an unprepared one does
     other = tiny_engine.open_session(2, 16)
-    other.append(tokens)
+    append_alone(other, tokens)
     assert session.coordinator.state_digest() == other.state_digest()
     assert mx.array_equal(session.coordinator.verifier.next_token_logits, other.verifier.next_token_logits).item()
 

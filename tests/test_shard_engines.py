@@ -8,7 +8,6 @@ import pytest
 
 from inference_engine.errors import InvalidRequest, InvariantViolation, PoolExhausted
 from inference_engine.model import forward as forward_module
-from inference_engine.model.loader import random_model
 from inference_engine.shard.protocol.errors import ShardUnavailable, WorkCancelled
 from inference_engine.shard.protocol.types import LayerRange, ShardWork
 from inference_engine.shard.worker import mlx_engine
@@ -17,6 +16,7 @@ from inference_engine.verifier.kv_cache import CacheGeometry
 from tests.fixtures.fault_config import FaultConfig
 from tests.fixtures.fault_injection import FaultInjectingEngine
 from tests.shard_helpers import GEOMETRY, ref_block, reference, run_chain
+from tests.tiny_models import random_model
 
 TOKENS = np.random.default_rng(3).integers(0, 256, 40).tolist()
 

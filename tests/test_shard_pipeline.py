@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 from inference_engine.errors import InvalidRequest, InvariantViolation, PoolExhausted, SessionNotFound
-from inference_engine.model.loader import random_model
 from inference_engine.shard.client.pipeline import ShardPipeline
 from inference_engine.shard.protocol.errors import DeadlineExpired, EpochStale, MalformedShardOutput, ShardUnavailable
 from inference_engine.shard.protocol.types import LayerRange
@@ -18,6 +17,7 @@ from inference_engine.verifier.sink_window_verifier import state_digest
 from tests.fixtures.fault_config import FaultConfig
 from tests.fixtures.fault_injection import FaultInjectingEngine
 from tests.shard_helpers import ref_block, reference, shard_server
+from tests.tiny_models import random_model
 
 TOKENS = np.random.default_rng(11).integers(0, 256, 80).tolist()
 HEAD, TAIL = LayerRange(0, 1), LayerRange(1, 2)

@@ -19,7 +19,6 @@ from grpc_status import rpc_status
 
 from inference_engine.client.snapshots import restore_bytes, snapshot_bytes
 from inference_engine.errors import InvalidRequest
-from inference_engine.model.loader import random_model
 from inference_engine.runtime import session_transfer as session_transfer_module
 from inference_engine.runtime.engine import Engine
 from inference_engine.runtime.session_transfer import RestoreParams, SessionTransfer
@@ -30,6 +29,7 @@ from tests.certs import TOKEN_A, TOKEN_B, token_file
 from tests.conftest import running_server
 from tests.kernel_guard import assert_full_tile
 from tests.ops_helpers import serving
+from tests.tiny_models import random_model
 
 PROMPT = np.random.default_rng(9).integers(2, 256, 40).tolist()
 MORE = [7, 9, 11, 200, 3]

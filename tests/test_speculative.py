@@ -9,13 +9,15 @@ from inference_engine.client import spec_gates as spec_gate
 from inference_engine.decoding import step
 from inference_engine.decoding.drafter import ModelDrafter, PromptLookupDrafter
 from inference_engine.decoding.sampler import target_draws
-from inference_engine.model.loader import LoadedModel, random_model
+from inference_engine.model.loader import LoadedModel
 from inference_engine.runtime.engine import Engine, check_draft_compatible
 from inference_engine.session.session import Session
 from inference_engine.session.session_store import SessionStore
 from inference_engine.v1 import runtime_pb2 as pb
 from tests.conftest import running_server
+from tests.coordinator_helpers import append_alone
 from tests.kernel_guard import assert_full_tile
+from tests.tiny_models import random_model
 
 PROMPT = [5, 17, 33, 2, 250, 9, 9, 120, 64, 3, 5, 17, 33, 2, 250, 9]
 # From here the tiny model settles into a repeating continuation that prompt lookup copies
@@ -50,7 +52,7 @@ def self_engine(tiny):
 
 def _session(engine, tokens: list[int]) -> Session:
     s = Session(SessionStore.new_id(), engine.open_session(2, 8), 2, 8, (1,), "")
-    s.coordinator.append(tokens)
+    append_alone(s.coordinator, tokens)
     return s
 
 
@@ -80,13 +82,13 @@ def test_model_drafter_follows_the_log_lazily(engine):
     a = d.propose(s, 7, 4)
     assert len(a) == 4 and s.draft.length == 10 and s.draft.drafted == [7, *a[:3]]
     # The step accepted 7 and a[0] only; the next proposal rolls back the rest and catches up.
-    s.coordinator.append([7, a[0], 99])
+    append_alone(s.coordinator, [7, a[0], 99])
     assert d.propose(s, 98, 3) == fresh(PROMPT[:10] + [7, a[0], 99], 98, 3)
     # Everything the cache holds is still the log: it re-derives logits for the last token.
-    s.coordinator.append([98])
+    append_alone(s.coordinator, [98])
     assert d.propose(s, 5, 2) == fresh(PROMPT[:10] + [7, a[0], 99, 98], 5, 2)
     # A retracted step lowers the watermark: what followed it is recomputed.
-    s.coordinator.append([5, 6])
+    append_alone(s.coordinator, [5, 6])
     mark = s.draft.followed.valid
     s.coordinator.retract(3, None)
     assert s.draft.followed.valid == min(mark, len(s.history))
@@ -96,7 +98,7 @@ def test_model_drafter_follows_the_log_lazily(engine):
     t = _session(engine, other[:10])
     d.propose(t, 1, 2)
     t.coordinator.restore(t.coordinator.checkpoint())
-    t.coordinator.append(other[10:])
+    append_alone(t.coordinator, other[10:])
     assert d.propose(t, 3, 2) == fresh(other, 3, 2)
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from inference_engine.model.loader import random_model
+from tests.tiny_models import random_model
 
 TINY = dict(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
             num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True)

@@ -27,7 +27,7 @@ class GenerationOptions:
 
 @dataclass(frozen=True)
 class StepOptions:
-    """Per-step knobs of `decode_step` (the defaults are plain greedy decoding)."""
+    """Per-step knobs of a decoding step (`plan_step`/`finish_step`; the defaults are plain greedy decoding)."""
 
     sampling: SamplingParams = GREEDY  # how g0 and the target's checks of the drafts are chosen
     top_logprobs: int | None = None  # None: no logprobs; N: logprobs with N alternatives

@@ -7,8 +7,8 @@ prefix in which every draft equals the target's own choice at its position (the 
 or the draw keyed by (seed, position): see sampler.py), so the output is token-identical
 to plain decoding with the same sampling parameters whatever the drafter proposes.
 
-A step is planned (`plan_step`), forwarded (alone, or batched with other sessions' blocks
-by the scheduler) and finished (`finish_step`); `decode_step` does all three alone.
+A step is planned (`plan_step`), forwarded (batched with other sessions' blocks by the
+scheduler) and finished (`finish_step`).
 """
 
 from __future__ import annotations
@@ -90,9 +90,3 @@ def finish_step(session: Session, plan: StepPlan, logits: mx.array, stop_ids: fr
         logprobs = tuple(token_logprobs(row, t, options.top_logprobs) for row, t in zip(rows, block[:n]))
     return StepResult(block[:n], plan.drafted, n - 1, plan.prior_logits, logprobs)
 
-
-def decode_step(session: Session, drafter: Drafter | None, k: int, remaining: int, stop_ids: frozenset[int],
-                options: StepOptions = PLAIN) -> StepResult:
-    """Produce 1..min(k+1, remaining) tokens for one session alone, committing them. Engine thread."""
-    plan = plan_step(session, drafter, k, remaining, stop_ids, options)
-    return finish_step(session, plan, session.coordinator.verify(list(plan.block)), stop_ids, options)

@@ -63,26 +63,6 @@ class SessionCoordinator:
         """Tokens committed (== len(log) between operations)."""
         return len(self.log)
 
-    # -- whole operations (one session alone) -------------------------------------------
-
-    def append(self, tokens: list[int]) -> None:
-        """Append `tokens` to the log and the cache (the first append is the prefill).
-
-        Raises:
-            InvariantViolation: the cache and the log disagree (before or after).
-            RuntimeServiceError or any compute error: nothing was appended; the cache is rebuilt.
-        """
-        self.finish_append(self.begin(tokens, all_logits=False), None)
-
-    def verify(self, block: list[int]) -> mx.array:
-        """Forward a generation block (next token + drafts), pending `accept`.
-
-        Returns:
-            (L, V) logits, possibly still computing; row i predicts the token after block[i].
-        """
-        staged = self.begin(block, all_logits=True)
-        return self.end(self.backend.forward([staged], wait=False)[0])
-
     # -- staged operations (the scheduler batches blocks of many sessions) -------------
 
     def begin(self, tokens: list[int], all_logits: bool) -> Block:
@@ -129,17 +109,6 @@ class SessionCoordinator:
                     log.exception("session %s: rebuilding the cache failed; retrying at its next call", self.tag)
             raise result
         return self.verifier.end_block(result)
-
-    def finish_append(self, block: Block, result: mx.array | BaseException | None) -> None:
-        """Commit a staged append block whole (`result` None: compute it here, alone).
-
-        Raises:
-            the block's error (nothing appended; the cache is rebuilt).
-        """
-        if result is None:
-            result = self.backend.forward([block])[0]
-        self.end(result)
-        self.accept(list(block.tokens), len(block.tokens))
 
     def accept(self, block: list[int], accepted: int) -> None:
         """Commit the first `accepted` tokens of the verified block to cache and log."""

@@ -170,11 +170,6 @@ class SessionStore:
         elif self.on_change is not None:
             self.on_change(session)
 
-    def close_all(self) -> None:
-        """Close every session and free what is idle (shutdown)."""
-        for session in list(self._sessions.values()):
-            self._remove(session)
-
     def expire_idle(self) -> list[str]:
         """Close sessions idle for longer than the TTL; returns their ids."""
         cutoff = time.monotonic() - self.ttl_s
