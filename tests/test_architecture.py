@@ -135,6 +135,9 @@ REPO = PACKAGE.parent
 PENDING_TEST_IMPORTS = {
     "scripts/reliability.py": "its throwaway CA comes from tests/certs.py until the reliability battery's move "
                               "(issue 29, another branch) gives it one of its own",
+    "scripts/write_golden_digests.py": "it rewrites the golden digests from the tests' own harness (tests/golden_digests.py, "
+                                       "tests/kernel_harness.py), landed on main alongside this rule; moving it under "
+                                       "tests/ (or the harness out) is left to its owners",
 }
 
 
