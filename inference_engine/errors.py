@@ -32,6 +32,10 @@ class SnapshotCorrupt(InvalidRequest):
     """A session snapshot is truncated, corrupted (checksum) or not a snapshot at all (INVALID_ARGUMENT)."""
 
 
+class InvalidConstraint(InvalidRequest):
+    """A constraint's JSON schema, regex or grammar does not compile (INVALID_ARGUMENT; the message says where)."""
+
+
 class Unauthenticated(RuntimeServiceError):
     """No bearer token, or one the server does not know (UNAUTHENTICATED)."""
 

@@ -165,6 +165,17 @@ def _as_float64(logits: mx.array) -> np.ndarray:
     return np.array(logits, dtype=np.float32).astype(np.float64).reshape(-1)  # (V,) exact float32 bits widened
 
 
+def mask_logits(logits: mx.array, allowed: np.ndarray | None) -> mx.array:
+    """The logits with every token `allowed` does not hold set to -inf (a constraint's mask); as given if None.
+
+    The allowed tokens keep their exact bits, so the argmax and the seeded draw over them are the
+    plain ones restricted to the allowed set.
+    """
+    if allowed is None:
+        return logits
+    return mx.where(mx.array(allowed), logits, mx.array(-np.inf, dtype=logits.dtype))  # (V,)
+
+
 def choose(logits: mx.array, params: SamplingParams, position: int, recent: Sequence[int] = ()) -> int:
     """The token at global position `position` given its exact next-token logits.
 

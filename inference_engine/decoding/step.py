@@ -7,6 +7,11 @@ prefix in which every draft equals the target's own choice at its position (the 
 or the draw keyed by (seed, position): see sampler.py), so the output is token-identical
 to plain decoding with the same sampling parameters whatever the drafter proposes.
 
+Under a constraint (options.matcher) every choice is made from the exact logits masked by the
+constraint at its position: g0 from the mask after the tokens so far, each draft checked against
+the masked draw after the block's tokens before it; drafts the constraint refuses are never
+proposed. Speculative constrained output therefore equals plain constrained output too.
+
 A step is planned (`plan_step`), forwarded (batched with other sessions' blocks by the
 scheduler) and finished (`finish_step`).
 """
@@ -20,8 +25,9 @@ import mlx.core as mx
 from inference_engine.decoding.drafter import Drafter
 from inference_engine.decoding.logprobs import TokenLogprobs, token_logprobs
 from inference_engine.decoding.options import PLAIN, StepOptions
-from inference_engine.decoding.sampler import choose, recent_tokens, target_draws
+from inference_engine.decoding.sampler import choose, mask_logits, recent_tokens, target_draws
 from inference_engine.session.session import Session
+from inference_engine.text.constraint import TokenMatcher
 
 
 @dataclass(frozen=True)
@@ -58,12 +64,15 @@ def plan_step(session: Session, drafter: Drafter | None, k: int, remaining: int,
         options: sampling, logprobs and the stop-string cut (default: plain greedy).
     """
     prior = session.coordinator.verifier.next_token_logits
-    history, s = session.history, options.sampling
+    history, s, m = session.history, options.sampling, options.matcher
     position = len(history)  # == next_global_position (INV-2)
-    g0 = choose(prior, s, position, recent_tokens(history) if s.has_penalty else ())
+    g0 = choose(mask_logits(prior, m.allowed() if m else None), s, position,
+                recent_tokens(history) if s.has_penalty else ())
     drafts: list[int] = []
     if drafter is not None and remaining > 1 and g0 not in stop_ids:
         drafts = drafter.propose(session, g0, min(k, remaining - 1))[: remaining - 1]
+        if m is not None and drafts:  # only what the constraint allows after g0
+            drafts = drafts[: max(0, m.valid_prefix([g0, *drafts]) - 1)]
     return StepPlan((g0, *drafts), len(drafts), prior, position)
 
 
@@ -74,19 +83,40 @@ def finish_step(session: Session, plan: StepPlan, logits: mx.array, stop_ids: fr
     Args:
         logits: the forwarded block's (L, V) logits (row i predicts the token after block[i]).
     """
-    block, n = plan.block, 1
-    if plan.drafted:
+    block, n, m = plan.block, 1, options.matcher
+    if m is not None:
+        n = _accept_constrained(m, session, plan, logits, stop_ids, options)
+    elif plan.drafted:
         draws = target_draws(logits, block, options.sampling, plan.position, session.history)
         for draft, own in zip(block[1:], draws):
             if block[n - 1] in stop_ids or draft != own:
                 break
             n += 1
     if options.keep is not None:
-        n = options.keep(list(block[:n]))
+        kept = options.keep(list(block[:n]))
+        if m is not None:
+            m.rollback(n - kept)
+        n = kept
     session.coordinator.accept(list(block), n)
     logprobs: tuple[TokenLogprobs, ...] = ()
     if options.top_logprobs is not None:
         rows = [plan.prior_logits, *(logits[i] for i in range(n - 1))]
         logprobs = tuple(token_logprobs(row, t, options.top_logprobs) for row, t in zip(rows, block[:n]))
     return StepResult(block[:n], plan.drafted, n - 1, plan.prior_logits, logprobs)
+
+
+def _accept_constrained(m: TokenMatcher, session: Session, plan: StepPlan, logits: mx.array,
+                        stop_ids: frozenset[int], options: StepOptions) -> int:
+    """How many block tokens to commit under the constraint; the matcher advances past each of them."""
+    block, s, n = plan.block, options.sampling, 1
+    m.consume(block[0])
+    for i, draft in enumerate(block[1:]):
+        if block[n - 1] in stop_ids or m.is_complete:
+            break
+        recent = recent_tokens(session.history, block[: i + 1]) if s.has_penalty else ()
+        if draft != choose(mask_logits(logits[i], m.allowed()), s, plan.position + 1 + i, recent):
+            break
+        m.consume(draft)
+        n += 1
+    return n
 

@@ -208,6 +208,8 @@ class GenerateJob(Job):
         self.drafted, self.accepted = self.drafted + step.drafted, self.accepted + step.accepted
         if self.text.is_stopped:
             self.stop = StopReason.STOP_STRING
+        elif self.options.matcher is not None and self.options.matcher.is_complete:
+            self.stop = StopReason.CONSTRAINT_COMPLETE
         elif self.stop_ids.intersection(step.tokens):
             self.stop = StopReason.EOS
         elif self.produced >= self.params.max_new_tokens:
@@ -226,6 +228,8 @@ class GenerateJob(Job):
                 self.phase = Phase.RUNNING
         if unsent is not None:
             self.session.coordinator.retract(len(unsent.step.tokens), unsent.step.prior_logits)
+            if self.options.matcher is not None:
+                self.options.matcher.rollback(len(unsent.step.tokens))
             self.produced -= len(unsent.step.tokens)
             self._retracted = True
 

@@ -38,6 +38,7 @@ from inference_engine.session.session_store import SessionStore
 from inference_engine.short_id import short_id
 from inference_engine.text.chat import resolve_input
 from inference_engine.text.codec import require, text_codec
+from inference_engine.text.constraint import ConstraintCompiler
 from inference_engine.text.text_pool import run_text
 from inference_engine.verifier.sink_window_verifier import SinkWindowVerifier
 
@@ -57,6 +58,7 @@ class Runtime:
         self._sweeper: asyncio.Task | None = None
         self._streams: set[asyncio.Future] = set()  # running Generate jobs' `finished`
         self.text = text_codec(engine.loaded.tokenizer)  # the model's tokenizer; None = token ids only
+        self.constraints = ConstraintCompiler(self.text, engine.spec.vocab_size, engine.spec.eos_token_ids)
         self.drafters: dict[DecodeMode, Drafter] = {DecodeMode.SPECULATIVE_LOOKUP: lookup_drafter(engine.verify_row_cost)}
         if engine.has_draft_model:
             # The draft cache catches up with a long history as an append would: a batch's rows per step at most.
@@ -205,7 +207,8 @@ class Runtime:
 
         Raises:
             SessionNotFound, SessionBusy, InvariantViolation (no tokens appended yet, or
-            a draft-model mode on a server without a draft model).
+            a draft-model mode on a server without a draft model). InvalidRequest: the
+            constraint does not compile. FeatureUnavailable: a constraint on a model without a tokenizer.
         """
         self.check_serving()
         session = self.store.get(p.session_id, p.owner)
@@ -220,9 +223,13 @@ class Runtime:
         try:
             if not session.history:
                 raise InvariantViolation("the session has no tokens yet: call AppendTokens before Generate")
+            matcher = None
+            if p.options.constraint is not None:  # compiled (or re-derived from the session's tokens) off the loop
+                session.constraint, matcher = await asyncio.to_thread(
+                    self.constraints.resume, p.options.constraint, session.constraint, list(session.history))
             out = CallOutput(self.text, session.history, p.options.stop)  # text, stop strings, usage
             options = StepOptions(p.options.sampling, p.options.top_logprobs if p.options.logprobs else None,
-                                  out.keep if out.has_text else None)
+                                  out.keep if out.has_text else None, matcher)
             stop_ids = p.options.stop_ids(session.eos_token_ids, p.ignore_eos)
             job = GenerateJob(session, p, self.drafters.get(p.mode), stop_ids, options, out,
                               asyncio.get_running_loop(), lambda: session.is_closed or self.is_shutting_down,

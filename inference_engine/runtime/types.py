@@ -21,6 +21,7 @@ class StopReason(enum.Enum):
     EOS = 2  # produced an end-of-sequence token (included in the stream)
     CANCELLED = 3  # the session was closed or the server is shutting down
     STOP_STRING = 4  # the streamed text reached a stop string
+    CONSTRAINT_COMPLETE = 5  # the output completed the call's constraint (no further token allowed)
 
 
 class DecodeMode(enum.Enum):

@@ -20,6 +20,7 @@ from inference_engine.server.model_info import ModelInfo
 from inference_engine.server.validation import Validator
 from inference_engine.text.chat import ChatInput, TextInput
 from inference_engine.text.codec import ChatMessage
+from inference_engine.text.constraint import ANY_JSON_OBJECT, Constraint
 from inference_engine.v1 import runtime_pb2 as pb
 
 
@@ -70,6 +71,7 @@ def generate_params(v: Validator, cfg: ServerConfig, r: pb.GenerateRequest) -> G
     if r.top_logprobs and not r.logprobs:
         raise InvalidRequest("GenerateRequest.top_logprobs needs logprobs = true", "top_logprobs")
     options = GenerationOptions(
+        constraint=constraint(v, r),
         sampling=sampling,
         stop=v.strings("GenerateRequest.stop", list(r.stop)),
         eos_token_ids=v.items("GenerateRequest.eos_token_ids", list(r.eos_token_ids)),
@@ -84,6 +86,27 @@ def generate_params(v: Validator, cfg: ServerConfig, r: pb.GenerateRequest) -> G
         num_draft_tokens=v.value("GenerateRequest.num_draft_tokens", r.num_draft_tokens) or DEFAULT_DRAFT_TOKENS,
         options=options,
     )
+
+
+def constraint(v: Validator, r: pb.GenerateRequest) -> Constraint | None:
+    """GenerateRequest.constraint -> Constraint (None when unset); compiled later, against the tokenizer.
+
+    Raises:
+        InvalidRequest: json_object false, or a source longer than the bound.
+    """
+    if not r.HasField("constraint"):
+        return None
+    kind = r.constraint.WhichOneof("kind")
+    if kind is None:
+        raise InvalidRequest("GenerateRequest.constraint needs one of json_schema, json_object, regex, grammar; "
+                             "got none (leave constraint unset for free text)", "constraint")
+    if kind == "json_object":
+        if not r.constraint.json_object:
+            raise InvalidRequest("GenerateRequest.constraint.json_object must be true when set", "constraint.json_object")
+        return Constraint("json_object", ANY_JSON_OBJECT)
+    source = getattr(r.constraint, kind)
+    v.length(f"GenerateRequest.constraint.{kind}", len(source), "characters")
+    return Constraint(kind, source)
 
 
 def _logprobs(lp: TokenLogprobs) -> pb.TokenLogprob:

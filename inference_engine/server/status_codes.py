@@ -31,6 +31,7 @@ ERROR_SPECS: dict[type[errors.RuntimeServiceError], ErrorSpec] = {
     errors.RequestTooLarge: ErrorSpec(grpc.StatusCode.INVALID_ARGUMENT, "REQUEST_TOO_LARGE", 413),
     errors.SnapshotCorrupt: ErrorSpec(grpc.StatusCode.INVALID_ARGUMENT, "SNAPSHOT_CORRUPT", 400),
     errors.SnapshotIncompatible: ErrorSpec(grpc.StatusCode.FAILED_PRECONDITION, "SNAPSHOT_INCOMPATIBLE", 409),
+    errors.InvalidConstraint: ErrorSpec(grpc.StatusCode.INVALID_ARGUMENT, "INVALID_CONSTRAINT", 400),
     errors.InvalidRequest: ErrorSpec(grpc.StatusCode.INVALID_ARGUMENT, "INVALID_REQUEST", 400),
     errors.UnknownModel: ErrorSpec(grpc.StatusCode.NOT_FOUND, "MODEL_NOT_FOUND", 404),
     errors.SessionNotFound: ErrorSpec(grpc.StatusCode.NOT_FOUND, "SESSION_NOT_FOUND", 404),

@@ -61,6 +61,10 @@ def bounds_table(cfg: ServerConfig, vocab_size: int) -> dict[str, Bound]:
         "GenerateRequest.eos_token_ids#": Bound(0, 64),
         "GenerateRequest.eos_token_ids[]": Bound(0, vocab_size - 1),
         "GenerateRequest.top_logprobs": Bound(1, MAX_TOP_LOGPROBS, "no alternatives"),
+        # A constraint's source (schema, regex, grammar) is text the compiler reads: bounded as text.
+        "GenerateRequest.constraint.json_schema#": text,
+        "GenerateRequest.constraint.regex#": text,
+        "GenerateRequest.constraint.grammar#": text,
         "TokenizeRequest.text#": dataclasses.replace(text, low=0),
         "TokenizeRequest.messages#": Bound(0, MAX_MESSAGES),
         "TokenizeRequest.messages.content#": contents,

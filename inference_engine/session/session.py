@@ -10,6 +10,7 @@ from inference_engine.security.settings import ANONYMOUS
 from inference_engine.session.coordinator import SessionCoordinator
 from inference_engine.short_id import short_id
 from inference_engine.text.chat import ChatLog
+from inference_engine.text.constraint import ConstraintRun
 from inference_engine.verifier.sink_window_verifier import SinkWindowVerifier
 from inference_engine.verifier.token_log import TokenLog, Watermark
 
@@ -42,6 +43,7 @@ class Session:
     draft: DraftCache | None = None  # the draft model's cache, built on first SPECULATIVE_DRAFT use
     owner: str = ANONYMOUS  # identity that created it; no other identity can see it
     chat: ChatLog = field(default_factory=ChatLog)  # messages appended and replies generated (text/chat.py)
+    constraint: ConstraintRun | None = None  # the constraint its last constrained Generate ran under
 
     @property
     def tag(self) -> str:

@@ -14,6 +14,7 @@ class StopReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STOP_REASON_EOS: _ClassVar[StopReason]
     STOP_REASON_CANCELLED: _ClassVar[StopReason]
     STOP_REASON_STOP_STRING: _ClassVar[StopReason]
+    STOP_REASON_CONSTRAINT_COMPLETE: _ClassVar[StopReason]
 
 class DecodeMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -25,6 +26,7 @@ STOP_REASON_MAX_TOKENS: StopReason
 STOP_REASON_EOS: StopReason
 STOP_REASON_CANCELLED: StopReason
 STOP_REASON_STOP_STRING: StopReason
+STOP_REASON_CONSTRAINT_COMPLETE: StopReason
 DECODE_MODE_GREEDY: DecodeMode
 DECODE_MODE_SPECULATIVE_DRAFT: DecodeMode
 DECODE_MODE_SPECULATIVE_LOOKUP: DecodeMode
@@ -86,7 +88,7 @@ class AppendTokensResponse(_message.Message):
     def __init__(self, history_length: _Optional[int] = ..., next_global_position: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("session_id", "max_new_tokens", "ignore_eos", "mode", "num_draft_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "stop", "eos_token_ids", "logprobs", "top_logprobs")
+    __slots__ = ("session_id", "max_new_tokens", "ignore_eos", "mode", "num_draft_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "stop", "eos_token_ids", "logprobs", "top_logprobs", "constraint")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +104,7 @@ class GenerateRequest(_message.Message):
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     max_new_tokens: int
     ignore_eos: bool
@@ -117,7 +120,20 @@ class GenerateRequest(_message.Message):
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: bool
     top_logprobs: int
-    def __init__(self, session_id: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., mode: _Optional[_Union[DecodeMode, str]] = ..., num_draft_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+    constraint: Constraint
+    def __init__(self, session_id: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., mode: _Optional[_Union[DecodeMode, str]] = ..., num_draft_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ...) -> None: ...
+
+class Constraint(_message.Message):
+    __slots__ = ("json_schema", "json_object", "regex", "grammar")
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    json_schema: str
+    json_object: bool
+    regex: str
+    grammar: str
+    def __init__(self, json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., grammar: _Optional[str] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token", "logprob")
