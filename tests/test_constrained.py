@@ -157,6 +157,26 @@ async def test_json_object_regex_and_grammar(real_engine):
                 await stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
 
 
+async def test_stop_strings_cut_a_constrained_stream_and_a_model_without_tokenizer_refuses(real_engine, tiny_engine):
+    constraint = pb.Constraint(regex=r"[a-z]{1,6}(, [a-z]{1,6}){0,6}")
+    async with running_server(real_engine) as (stub, _):
+        base = await _session(stub, "List some colors, separated by commas.")
+        whole, reason = await _forked_bursts(stub, base, 48, 48, constraint)
+        assert reason == pb.STOP_REASON_CONSTRAINT_COMPLETE or len(whole) == 48
+        sid = await _fork(stub, base)
+        msgs = await _generate(stub, sid, 48, constraint, stop=[","], mode=pb.DECODE_MODE_SPECULATIVE_LOOKUP)
+        cut = [t for m in msgs for t in m.tokens]
+        assert msgs[-1].stop_reason == pb.STOP_REASON_STOP_STRING and whole[: len(cut)] == cut
+        rest, _ = await _bursts(stub, sid, 48 - len(cut), 48, constraint)  # continues the same output
+        assert cut + rest == whole
+    async with running_server(tiny_engine) as (stub, _):
+        sid = (await stub.CreateSession(pb.CreateSessionRequest())).session_id
+        await stub.AppendTokens(pb.AppendTokensRequest(session_id=sid, tokens=[1, 2, 3]))
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await _generate(stub, sid, 4, constraint)
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "needs one" in e.value.details()
+
+
 async def test_constrained_streams_are_the_same_bits_for_every_burst_mode_and_companion(real_engine):
     schema = {"type": "object", "properties": {"name": S, "tags": {"type": "array", "items": S, "maxItems": 3},
                                                "score": {"type": "number"}}, "required": ["name", "tags", "score"]}

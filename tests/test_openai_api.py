@@ -193,12 +193,17 @@ async def test_bad_fields_are_400(tiny_engine, fields, param):
 
 async def test_chat_only_fields_are_400(tiny_engine):
     async with http_api(tiny_engine) as s, s.client() as c:
-        for name, value in (("tools", [{"type": "function", "function": {"name": "f"}}]),
-                            ("response_format", {"type": "json_object"}), ("tool_choice", "auto")):
+        for name, value in (("functions", [{"name": "f"}]), ("function_call", "auto")):
             with pytest.raises(openai.BadRequestError) as err:
                 await c.chat.completions.create(model=s.model, messages=[{"role": "user", "content": "hi"}],
                                                 **{name: value})
             assert err.value.param == name and "not supported" in err.value.message
+        for fields in ({"tools": [{"type": "function", "function": {"name": "f"}}]},
+                       {"response_format": {"type": "json_object"}}):  # constraints need a tokenizer
+            with pytest.raises(openai.BadRequestError) as err:
+                await c.chat.completions.create(model=s.model, messages=[{"role": "user", "content": "hi"}], **fields)
+            assert err.value.code == "feature_unavailable" and "constrained output" in err.value.message
+            assert s.runtime.store.slabs_in_use == 0
         with pytest.raises(openai.BadRequestError) as err:  # the tiny model has no tokenizer
             await c.chat.completions.create(model=s.model, messages=[{"role": "user", "content": "hi"}])
         assert err.value.code == "feature_unavailable"

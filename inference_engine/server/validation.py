@@ -87,6 +87,7 @@ def bounds_table(cfg: ServerConfig, vocab_size: int) -> dict[str, Bound]:
         "body.prompt[]": Bound(0, vocab_size - 1),
         "body.messages#": Bound(1, MAX_MESSAGES),
         "body.content#": contents,
+        "body.response_format#": text,  # a response_format's or the tools' schema, as JSON text
         "body.user#": Bound(0, 256),
     }
 

@@ -216,6 +216,7 @@ def _feature_cases(lim: Limits, victim: str) -> list[BadCase]:
     else:
         rows.append(BadCase("text encoding to more tokens than allowed", "AppendTokens",
                             pb.AppendTokensRequest(session_id=victim, text=" 7" * (lim.max_tokens_per_request + 1)), IA))
+        rows += _constraint_cases(victim)
     if not lim.has_chat_template:
         rows += [BadCase("messages without a chat template", "AppendTokens",
                          pb.AppendTokensRequest(session_id=victim, messages=user), *unavailable),
@@ -225,6 +226,34 @@ def _feature_cases(lim: Limits, victim: str) -> list[BadCase]:
         rows.append(BadCase("SPECULATIVE_DRAFT without a draft model", "Generate",
                             pb.GenerateRequest(session_id=victim, mode=1), FP, "FAILED_PRECONDITION"))
     return rows
+
+
+def _constraint_cases(victim: str) -> list[BadCase]:
+    """Constraints that do not compile: INVALID_ARGUMENT at request time, naming the constraint's field."""
+    c, bad = pb.Constraint, (IA, "INVALID_CONSTRAINT")
+    rows = [
+        BadCase(f"constraint {what}", "Generate", pb.GenerateRequest(session_id=victim, constraint=constraint), *bad,
+                field=field)
+        for what, constraint, field in (
+            ("json_schema that is not JSON", c(json_schema="{not json"), "constraint.json_schema"),
+            ("json_schema that is a list", c(json_schema="[1]"), "constraint.json_schema"),
+            ("json_schema with type 3", c(json_schema='{"type": 3}'), "constraint.json_schema"),
+            ("json_schema with a bad pattern", c(json_schema='{"type": "string", "pattern": "(("}'),
+             "constraint.json_schema"),
+            ("regex with an unclosed class", c(regex="[a-"), "constraint.regex"),
+            ("grammar with an unknown rule", c(grammar="start: nowhere"), "constraint.grammar"),
+            ("grammar that does not parse", c(grammar="start: (("), "constraint.grammar"),
+        )
+    ]
+    return rows + [
+        BadCase("constraint json_object = false", "Generate",
+                pb.GenerateRequest(session_id=victim, constraint=c(json_object=False)), IA, field="constraint.json_object"),
+        BadCase("constraint with no kind", "Generate", pb.GenerateRequest(session_id=victim, constraint=c()), IA,
+                field="constraint"),
+        BadCase("constraint regex over --max-text-chars characters", "Generate",
+                pb.GenerateRequest(session_id=victim, constraint=c(regex="a" * (MAX_TEXT_CHARS + 1))), IA,
+                field="constraint.regex"),
+    ]
 
 
 def _raw_cases() -> list[BadCase]:

@@ -122,7 +122,7 @@ def build_app(state: ApiState) -> FastAPI:
 
 async def _respond(s: Serving, job: CompletionJob):
     """One JSON object, or an SSE stream whose first chunk is already computed (errors before it are JSON)."""
-    writer = ResponseWriter(job.is_chat, s.info.model_name, s.fingerprint, s.runtime.text, job.n)
+    writer = ResponseWriter(job.is_chat, s.info.model_name, s.fingerprint, s.runtime.text, job.n, job.tools)
     wants_logprobs = job.options.logprobs
     record = observer.current()
     events = s.service.run(job)

@@ -98,6 +98,8 @@ class CompletionService:
         self.runtime.check_serving()
         if job.options.stop:
             require(self.runtime.text)  # stop strings are matched on text: refused before any prefill
+        if job.options.constraint is not None:  # a schema that does not compile: a 400 before any prefill
+            await asyncio.to_thread(self.runtime.constraints.matcher, job.options.constraint)
         prompt = await self.prompt_tokens(job)
         session_id, cached = await self._open(job.owner, prompt)
         choices = [_Choice(0, session_id)]
@@ -156,6 +158,9 @@ class CompletionService:
                                                                                    choice.index))
         params = GenerateParams(session_id=choice.session_id, max_new_tokens=job.max_tokens, ignore_eos=job.ignore_eos,
                                 options=dataclasses.replace(job.options, sampling=sampling), owner=job.owner)
+
+        if job.options.constraint is not None:  # each request's reply starts its constraint afresh
+            self.runtime.store.get(choice.session_id, job.owner).constraint = None
 
         async def emit(chunk: GenerateChunk) -> None:
             choice.tokens.extend(chunk.tokens)

@@ -8,13 +8,14 @@ fields are refused with a 400 naming them, numbers against server/validation.py'
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from inference_engine.config import ServerConfig
 from inference_engine.decoding.options import GenerationOptions
 from inference_engine.decoding.sampler import SamplingParams
 from inference_engine.errors import InvalidRequest, UnknownModel
 from inference_engine.server.openai_api.schema import ChatCompletionRequest, CompletionRequest, SamplingFields
+from inference_engine.server.openai_api.tools import ToolPlan, message_text, response_constraint, tool_plan, with_tools
 from inference_engine.server.validation import Validator
 from inference_engine.text.chat import ChatInput, TextInput
 from inference_engine.text.codec import ChatMessage
@@ -36,6 +37,7 @@ class CompletionJob:
     stream: bool  # SSE chunks instead of one JSON response
     include_usage: bool  # streamed: a last chunk with usage
     owner: str = ""  # the caller's identity (sessions and cache entries belong to it)
+    tools: ToolPlan | None = None  # chat: the functions the reply may call (None: a text or JSON reply)
 
 
 def _refuse(field: str, why: str) -> InvalidRequest:
@@ -54,10 +56,9 @@ def _check_unsupported(body: SamplingFields) -> None:
     if body.stream_options is not None and not body.stream:
         raise _refuse("stream_options", "is only allowed when stream is true")
     if isinstance(body, ChatCompletionRequest):
-        for name in ("response_format", "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls"):
+        for name in ("functions", "function_call"):
             if getattr(body, name) is not None:
-                raise _refuse(name, "is not supported yet (constrained output and tool calls are not implemented); "
-                              "leave it out")
+                raise _refuse(name, "is not supported (the deprecated form of tools); send tools and tool_choice")
     else:
         assert isinstance(body, CompletionRequest)
         if body.echo:
@@ -122,16 +123,24 @@ def chat_job(v: Validator, cfg: ServerConfig, body: ChatCompletionRequest, serve
     v.length("body.messages", len(body.messages))
     messages = []
     for m in body.messages:
-        text = m.text()
-        v.length("body.content", len(text), "characters")
-        messages.append(ChatMessage("system" if m.role == "developer" else m.role, text))
+        role, text = message_text("system" if m.role == "developer" else m.role, m.text(), m.tool_calls,
+                                  m.tool_call_id)
+        messages.append(ChatMessage(role, text))
+    plan = tool_plan(body)
+    messages = with_tools(messages, plan)
+    for m in messages:
+        v.length("body.content", len(m.content), "characters")
     if body.top_logprobs and not body.logprobs:
         raise InvalidRequest("top_logprobs needs logprobs: true", "top_logprobs")
     top = v.value("body.top_logprobs", body.top_logprobs or 0) if body.logprobs else None
+    constraint = plan.constraint if plan is not None else response_constraint(body.response_format)
+    if constraint is not None and constraint.kind != "json_object":
+        v.length("body.response_format", len(constraint.source), "characters of schema")
     return CompletionJob(
         is_chat=True, prompt=ChatInput(tuple(messages), add_generation_prompt=True), n=n, max_tokens=max_tokens,
-        options=_options(v, body, top), ignore_eos=bool(body.ignore_eos), stream=bool(body.stream),
-        include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        options=replace(_options(v, body, top), constraint=constraint), ignore_eos=bool(body.ignore_eos),
+        stream=bool(body.stream), include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        tools=plan,
     )
 
 

@@ -17,11 +17,13 @@ from inference_engine.decoding.logprobs import TokenLogprobs
 from inference_engine.runtime.types import StopReason
 from inference_engine.server.model_info import ModelInfo
 from inference_engine.server.openai_api.completions import ChoiceChunk, CompletionUsage
+from inference_engine.server.openai_api.tools import ToolCall, ToolPlan, parse_call
 from inference_engine.text.codec import TextCodec
 
 FINISH_REASONS = {
     StopReason.EOS: "stop", StopReason.STOP_STRING: "stop", StopReason.MAX_TOKENS: "length",
     StopReason.CANCELLED: "abort",  # ended by a shutdown past --grace (not an OpenAI value: none fits)
+    StopReason.CONSTRAINT_COMPLETE: "stop",  # the JSON (response_format) is complete; a tool call: tool_calls
 }
 
 
@@ -49,8 +51,11 @@ def usage_object(u: CompletionUsage) -> dict[str, Any]:
 class ResponseWriter:
     """The response objects of one request (streamed chunks or the one final object)."""
 
-    def __init__(self, is_chat: bool, model: str, fingerprint: str, codec: TextCodec | None, n: int):
+    def __init__(self, is_chat: bool, model: str, fingerprint: str, codec: TextCodec | None, n: int,
+                 tools: ToolPlan | None = None):
         self.is_chat = is_chat
+        self.tools = tools  # a reply may be a tool call: its text is held until it is known not to be one
+        self._is_call: list[bool | None] = [None] * n  # per choice: a call, text, or not known yet
         self.model = model
         self.fingerprint = fingerprint
         self.text_of = token_text(codec)
@@ -94,6 +99,9 @@ class ResponseWriter:
                                   "token_ids": list(ch.tokens)}
         if self.is_chat:
             delta: dict[str, Any] = {"content": ch.text} if ch.text or not finish else {}
+            if self.tools is not None:
+                delta, finish = self._tool_delta(i, ch.text, finish)
+                choice["finish_reason"] = finish
             if not self._role_sent[i]:
                 delta["role"] = "assistant"
                 self._role_sent[i] = True
@@ -101,6 +109,23 @@ class ResponseWriter:
             return {**self._head("chat.completion.chunk"), "choices": [choice]}
         choice["text"] = ch.text
         return {**self._head("text_completion"), "choices": [choice]}
+
+    def _tool_delta(self, i: int, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
+        """A streamed piece of a reply that may be a tool call: text goes out once the reply's first character
+        shows it is no call (`{` starts every call); a call goes out whole, with its arguments, when it ends."""
+        self._text[i] += text
+        if self._is_call[i] is None and self._text[i]:
+            self._is_call[i] = self._text[i].startswith("{")
+            if not self._is_call[i]:
+                text = self._text[i]  # the held text goes out now
+        if self._is_call[i] is False:
+            return ({"content": text} if text or not finish else {}), finish
+        if finish is None:
+            return {}, None
+        call = parse_call(self._text[i], self.tools.names)  # type: ignore[union-attr]
+        if call is None:  # cut short (length) before the call was complete: its text as content
+            return {"content": self._text[i]}, finish
+        return {"tool_calls": [_call_object(call, index=0)]}, "tool_calls"
 
     def usage_chunk(self, u: CompletionUsage) -> dict[str, Any]:
         """The last streamed chunk when stream_options.include_usage: no choices, the usage."""
@@ -123,10 +148,19 @@ class ResponseWriter:
             logprobs = self._logprobs_object(i, self._logprobs[i]) if wants_logprobs else None
             choice: dict[str, Any] = {"index": i, "logprobs": logprobs, "finish_reason": self._finish[i],
                                       "token_ids": self._tokens[i]}
-            if self.is_chat:
+            call = parse_call(text, self.tools.names) if self.tools is not None else None
+            if call is not None:
+                choice["message"] = {"role": "assistant", "content": None, "tool_calls": [_call_object(call)]}
+                choice["finish_reason"] = "tool_calls"
+            elif self.is_chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
                 choice["text"] = text
             choices.append(choice)
         head = self._head("chat.completion" if self.is_chat else "text_completion")
         return {**head, "choices": choices, "usage": usage_object(u)}
+
+
+def _call_object(call: ToolCall, **extra: int) -> dict[str, Any]:
+    """OpenAI's tool_calls entry (`index` when streamed)."""
+    return {**extra, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}

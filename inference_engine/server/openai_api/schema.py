@@ -30,10 +30,13 @@ class TextPart(Body):
 class Message(Body):
     """One chat message."""
 
-    role: Literal["system", "developer", "user", "assistant"] = Field(
-        description="'developer' is rendered as 'system'; tool messages are not supported")
+    role: Literal["system", "developer", "user", "assistant", "tool"] = Field(
+        description="'developer' is rendered as 'system'; a 'tool' result is rendered as a user turn")
     content: str | list[TextPart] | None = Field(default=None, description="a string or text parts")
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = Field(default=None, description="an assistant turn's calls (rendered "
+                                                    "as their JSON)")
+    tool_call_id: str | None = Field(default=None, description="a tool result's call (rendered with its result)")
 
     def text(self) -> str:
         """The content as one string (text parts concatenated; none: empty)."""
@@ -75,6 +78,53 @@ class SamplingFields(Body):
     ignore_eos: bool | None = Field(default=False, description="extension: keep going past EOS tokens")
 
 
+class JsonSchemaFormat(Body):
+    """response_format.json_schema: the schema the reply's JSON must validate."""
+
+    name: str = Field(description="the schema's name (1..64 characters)")
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema", description="a JSON schema (default: "
+                                           "any JSON object)")
+    description: str | None = None
+    strict: bool | None = Field(default=None, description="accepted; the output always follows the schema")
+
+
+class ResponseFormat(Body):
+    """response_format: free text, any JSON object, or JSON under a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = Field(default=None, description="with type json_schema")
+
+
+class FunctionDef(Body):
+    """A tool's function: its name and the JSON schema of its arguments."""
+
+    name: str = Field(description="1..64 characters: letters, digits, '_' and '-'")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(default=None, description="JSON schema of the arguments "
+                                              "(default: an object without properties)")
+    strict: bool | None = Field(default=None, description="accepted; arguments always follow the schema")
+
+
+class Tool(Body):
+    """One tool the model may call."""
+
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(Body):
+    """tool_choice's function."""
+
+    name: str
+
+
+class NamedToolChoice(Body):
+    """tool_choice naming one function."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions."""
 
@@ -82,9 +132,10 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(default=None, description="alias of max_tokens")
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, description="alternatives per token, 0..20 (needs logprobs)")
-    response_format: Any = Field(default=None, description="not supported yet")
-    tools: Any = Field(default=None, description="not supported yet")
-    tool_choice: Any = Field(default=None, description="not supported yet")
+    response_format: ResponseFormat | None = Field(default=None, description="text, json_object or json_schema")
+    tools: list[Tool] | None = Field(default=None, description="functions the model may call (up to 64)")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        default=None, description="default auto with tools; none, required, or a named function")
     functions: Any = Field(default=None, description="not supported")
     function_call: Any = Field(default=None, description="not supported")
     parallel_tool_calls: Any = Field(default=None, description="not supported")
