@@ -113,7 +113,7 @@ async def _cli(*argv: str, lines: list[str] = ()) -> tuple[int, str, str]:
 
 
 @pytest.mark.real_model
-async def test_generate_and_chat_against_a_server(real_engine):
+async def test_generate_and_chat_against_a_server(real_engine, tmp_path):
     async with _server(real_engine, default_window=256) as (target, runtime):
         rc, out, err = await _cli("generate", "--target", target, "--prompt", "What is the capital of France?",
                                   "--json", "--logprobs", "2", "--max-new-tokens", "12")
@@ -134,6 +134,18 @@ async def test_generate_and_chat_against_a_server(real_engine):
                            r"(\d+) ms of it in Generate", err)
         assert waited is not None and int(waited[1]) >= int(waited[2]) > 0, err
         assert int(waited[1]) >= int(waited[3]), err  # the server's figure counts from the Generate call only
+        schema = {"type": "object", "properties": {"capital": {"type": "string", "maxLength": 16}},
+                  "required": ["capital"], "additionalProperties": False}
+        schema_file = tmp_path / "capital.json"
+        schema_file.write_text(json.dumps(schema))
+        rc, out, err = await _cli("generate", "--target", target, "--prompt", "What is the capital of France?",
+                                  "--json", "--json-schema", str(schema_file), "--max-new-tokens", "24")
+        result = json.loads(out)
+        assert rc == 0 and result["stop_reason"] == "CONSTRAINT_COMPLETE" and set(json.loads(result["text"])) == {"capital"}
+        rc, out, err = await _cli("generate", "--target", target, "--prompt", "Pick a number.", "--regex", "[0-9]{2}")
+        assert rc == 0 and re.fullmatch(r"[0-9]{2}\n", out), out
+        rc, out, err = await _cli("generate", "--target", target, "--prompt", "hi", "--regex", "[a-")
+        assert rc == 1 and "INVALID_ARGUMENT: constraint.regex is invalid" in err
         rc, out, err = await _cli("generate", "--target", target, "--prompt", "hi", "--temperature", "200")
         assert rc == 1 and "error: INVALID_ARGUMENT: GenerateRequest.temperature = 200.0" in err
         rc, out, err = await _cli("chat", "--target", target, "--max-new-tokens", "16", "--system", "Be brief.",

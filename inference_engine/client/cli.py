@@ -12,6 +12,7 @@ import json
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Iterable, Iterator, TextIO
 
 import grpc
@@ -82,6 +83,10 @@ def add_client_commands(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--logprobs", type=unsigned(32), default=None, metavar="N",
                      help="with --json: each token's logprob and N alternatives (0..20)")
     gen.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
+    shape = gen.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", type=Path, default=None, metavar="FILE",
+                       help="the reply is JSON that this JSON schema file validates (constrained output)")
+    shape.add_argument("--regex", default=None, help="the reply matches this regular expression (constrained output)")
     add_client_flags(gen)
 
 
@@ -91,7 +96,8 @@ def settings_from_args(args: argparse.Namespace) -> GenerateSettings:
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed, stop=tuple(args.stop),
         top_logprobs=getattr(args, "logprobs", None), ignore_eos=getattr(args, "ignore_eos", False),
-        mode=MODES[args.mode],
+        mode=MODES[args.mode], regex=getattr(args, "regex", None),
+        json_schema=args.json_schema.read_text() if getattr(args, "json_schema", None) else None,
     )
 
 

@@ -37,6 +37,8 @@ class GenerateSettings:
     top_logprobs: int | None = None  # None = no logprobs; N = logprobs with N alternatives
     ignore_eos: bool = False  # keep going past EOS
     mode: int = pb.DECODE_MODE_GREEDY  # plain decoding or a speculative mode
+    json_schema: str | None = None  # the reply is JSON this schema (JSON text) validates
+    regex: str | None = None  # the reply matches this regular expression
 
     def request(self, session_id: str) -> pb.GenerateRequest:
         """The GenerateRequest for a session."""
@@ -48,6 +50,10 @@ class GenerateSettings:
         )
         if self.seed is not None:
             req.seed = self.seed
+        if self.json_schema is not None:
+            req.constraint.json_schema = self.json_schema
+        elif self.regex is not None:
+            req.constraint.regex = self.regex
         return req
 
 
