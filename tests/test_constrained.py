@@ -193,6 +193,13 @@ async def test_constrained_streams_are_the_same_bits_for_every_burst_mode_and_co
             for width, mode in ((1, lookup), (4, plain), (4, lookup), (32, lookup)):  # K = 4
                 got = await _forked_bursts(stub, base, 80, width, constraint, mode=mode, num_draft_tokens=4, **kw)
                 assert got == (ref, reason), (width, mode, kw)
+            # A fork part-way through continues the same output (the fork carries the constraint's start).
+            half = await _fork(stub, base)
+            head, _ = await _bursts(stub, half, 10, 10, constraint, **kw)
+            fork = await _fork(stub, half)
+            assert head + (await _bursts(stub, fork, 80, 80, constraint, **kw))[0] == ref
+            for sid in (half, fork):
+                await stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
             # Batch companions: a free-text stream and another constrained one in the same forwards.
             together = await asyncio.gather(
                 _forked_bursts(stub, base, 80, 5, constraint, mode=pb.DECODE_MODE_SPECULATIVE_LOOKUP, **kw),

@@ -255,6 +255,7 @@ class SessionTransfer:
         source.touch()
         snap = await self.capture(source)
         session = await self.adopt(snap, self.store.new_id(), owner)
+        session.constraint = source.constraint  # a constrained output continues on the fork (same tokens)
         log.info("session %s forked from %s (%d tokens)", session.tag, source.tag, snap.history_length)
         return self._restored(session, snap)
 
