@@ -169,6 +169,16 @@ async def test_stop_strings_cut_a_constrained_stream_and_a_model_without_tokeniz
         assert msgs[-1].stop_reason == pb.STOP_REASON_STOP_STRING and whole[: len(cut)] == cut
         rest, _ = await _bursts(stub, sid, 48 - len(cut), 48, constraint)  # continues the same output
         assert cut + rest == whole
+        # A stream cancelled after its first message keeps exactly the sent tokens; the next call continues them.
+        sid = await _fork(stub, base)
+        call = stub.Generate(pb.GenerateRequest(session_id=sid, max_new_tokens=48, constraint=constraint))
+        first = list((await call.read()).tokens)
+        call.cancel()
+        length = lambda s: stub.GetSessionInfo(pb.GetSessionInfoRequest(session_id=s))  # noqa: E731
+        kept = (await length(sid)).history_length - (await length(base)).history_length
+        assert len(first) <= kept and whole[: len(first)] == first
+        rest, _ = await _bursts(stub, sid, 48 - kept, 48, constraint)
+        assert rest == whole[kept:]
     async with running_server(tiny_engine) as (stub, _):
         sid = (await stub.CreateSession(pb.CreateSessionRequest())).session_id
         await stub.AppendTokens(pb.AppendTokensRequest(session_id=sid, tokens=[1, 2, 3]))

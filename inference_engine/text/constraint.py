@@ -145,10 +145,7 @@ class ConstraintCompiler:
             raise InvalidConstraint(f"{c.field} is not JSON: {exc}", c.field) from None
         if not isinstance(schema, dict):
             raise InvalidConstraint(f"{c.field} must be a JSON object (a schema); got {type(schema).__name__}", c.field)
-        try:
-            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
-        except ValueError as exc:
-            raise InvalidConstraint(f"{c.field} is not a usable JSON schema: {exc}", c.field) from None
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)  # checked by `matcher`
 
     def matcher(self, c: Constraint, produced: Sequence[int] = ()) -> TokenMatcher:
         """A matcher for `c` that has consumed `produced` (the tokens already generated under it).
