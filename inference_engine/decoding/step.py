@@ -119,4 +119,3 @@ def _accept_constrained(m: TokenMatcher, session: Session, plan: StepPlan, logit
         m.consume(draft)
         n += 1
     return n
-
