@@ -21,8 +21,8 @@ RANKS = {
     "verifier": 4, "quant_kernel": 4,
     "session": 5, "shard.protocol": 5, "served_model": 5,
     "decoding": 6,
-    "runtime": 7, "shard": 7, "shard.worker": 7, "shard.client": 7,
-    "server": 8, "client": 8,
+    "runtime": 7, "shard": 7, "shard.client": 7,
+    "server": 8, "client": 8, "shard.worker": 8,  # a worker drives the runtime's engine core, as the server does
     "__main__": 9,
 }
 
@@ -168,3 +168,34 @@ def test_the_test_helper_rule_sees_lazy_imports():
     source = "import os\ndef f():\n    from tests.tiny_models import random_model\nimport tests.certs as c\n"
     assert sorted(imported_test_helpers(source)) == ["tests.certs", "tests.tiny_models"]
     assert imported_test_helpers("from .tests import x\nimport testsuite\n") == []
+
+def _definitions(root: Path) -> list[tuple[str, ast.AST]]:
+    return [(str(p.relative_to(PACKAGE)), node) for p in sorted(root.rglob("*.py")) if "v1" not in p.parts
+            for node in ast.walk(ast.parse(p.read_text()))]
+
+
+def test_shard_defines_no_scheduler_engine_thread_or_batcher_of_its_own():
+    """A worker runs the runtime's execution core: the Scheduler's engine thread, its BatchQueue and the
+    executors' batched forward (`verifier/executor.py`). shard/ may not grow a second one."""
+    own = []
+    for where, node in _definitions(PACKAGE / "shard"):
+        if isinstance(node, ast.ClassDef) and any(w in node.name for w in ("Scheduler", "Batcher", "Thread", "Queue")):
+            own.append(f"{where}: class {node.name}")
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in ("_forward_together", "abandon",
+                                                                                       "_abandon", "step_many_loop"):
+            own.append(f"{where}: def {node.name}")
+        if isinstance(node, ast.ImportFrom) and node.module in ("concurrent.futures", "inference_engine.model.forward"):
+            own += [f"{where}: imports {node.module}.{a.name}" for a in node.names if a.name != "Span"]
+        if isinstance(node, ast.Attribute) and node.attr in ("ThreadPoolExecutor", "call_later") and "worker" in where:
+            own.append(f"{where}: uses {node.attr}")
+        if isinstance(node, ast.Attribute) and node.attr == "Thread" and "worker" in where:
+            own.append(f"{where}: starts a thread")
+    assert own == []
+
+
+def test_engine_logic_is_defined_once():
+    """One batched forward, one undo of a failed block, one mapping decorator in the package."""
+    names = ("_forward_together", "abandon", "_mapped")
+    found = [(n.name, where) for where, n in _definitions(PACKAGE)
+             if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name in names]
+    assert sorted(name for name, _ in found) == sorted(set(name for name, _ in found)), found

@@ -1,5 +1,5 @@
 """A worker computes the blocks of sessions waiting at once in one forward (`step_many`,
-`StepBatcher`), each session's bits unchanged: outputs equal the single-process reference
+`BatchQueue` on the runtime's engine thread), each session's bits unchanged: outputs equal the single-process reference
 byte for byte; one item's refusal, cancel or failure stays that item's (a failed forward,
 its sessions'); blocks queued while the engine computes go together in its next call, and
 a call waits a little for the sessions of the previous one."""
@@ -13,10 +13,10 @@ import pytest
 from inference_engine.errors import InvariantViolation, SessionNotFound
 from inference_engine.shard.protocol.errors import WorkCancelled
 from inference_engine.shard.protocol.types import LayerRange, ShardWork, StepItem
-from inference_engine.shard.worker import mlx_engine, step_batcher
-from inference_engine.shard.worker.engine_thread import EngineThread
+from inference_engine.runtime.batch_queue import BatchQueue
+from inference_engine.runtime.scheduler import Scheduler
 from inference_engine.shard.worker.mlx_engine import MlxShardEngine
-from inference_engine.shard.worker.step_batcher import StepBatcher
+from inference_engine.verifier import executor as executor_module
 from tests.shard_helpers import GEOMETRY, ref_block, reference, run_chain
 
 TOKENS = np.random.default_rng(5).integers(0, 256, 80).tolist()
@@ -114,7 +114,7 @@ def test_a_failed_forward_breaks_its_sessions_only(chain, monkeypatch):
     def boom(*args, **kwargs):
         raise RuntimeError("simulated MLX failure")
 
-    monkeypatch.setattr(mlx_engine, "forward_rows", boom)
+    monkeypatch.setattr(executor_module, "forward_rows", boom)
     outs = head.step_many([StepItem(s, ShardWork(3, p, (1,), None), True) for s, p in (("a", 3), ("b", 7))])
     assert all(isinstance(o, RuntimeError) for o in outs)
     monkeypatch.undo()
@@ -127,13 +127,13 @@ def test_a_failed_forward_breaks_its_sessions_only(chain, monkeypatch):
 async def test_blocks_queued_while_the_engine_computes_go_together(chain):
     engines, refs = chain
     head = engines[0]
-    thread = EngineThread()
-    batcher = StepBatcher(head, thread)
+    thread = Scheduler(lambda: None, max_rows=1, name="test-engine")
+    batcher = BatchQueue(thread, head.step_many)
     gate = threading.Event()
     busy = thread.submit(gate.wait)  # the engine is computing something else
     try:
         forwards = head.metrics().forwards
-        steps = [asyncio.ensure_future(batcher.step(StepItem(sid, ShardWork(2, p, (TOKENS[i],), None), True)))
+        steps = [asyncio.ensure_future(batcher.run(StepItem(sid, ShardWork(2, p, (TOKENS[i],), None), True)))
                  for i, (sid, p) in enumerate((("a", 3), ("b", 7), ("c", 1)))]
         await asyncio.sleep(0.05)
         assert not any(s.done() for s in steps)
@@ -146,19 +146,19 @@ async def test_blocks_queued_while_the_engine_computes_go_together(chain):
             logits = tail.decode(sid, ShardWork(2, out.position, (), out.tensor, True)).tensor
             assert logits.tobytes() == ref_block(refs[sid], [TOKENS[i]]).tobytes()
         with pytest.raises(InvariantViolation):  # one block's error reaches its own caller
-            await batcher.step(StepItem("a", ShardWork(3, 0, (1,), None), True))
+            await batcher.run(StepItem("a", ShardWork(3, 0, (1,), None), True))
     finally:
         gate.set()
         thread.close()
     with pytest.raises(Exception, match="shutting down"):
-        await batcher.step(StepItem("a", ShardWork(4, 4, (1,), None), True))
+        await batcher.run(StepItem("a", ShardWork(4, 4, (1,), None), True))
 
 
-async def test_the_sessions_of_the_last_call_are_awaited_for_a_while(chain, monkeypatch):
+async def test_blocks_queued_in_one_loop_turn_go_together_and_a_lone_block_never_waits(chain):
     engines, refs = chain
     head = engines[0]
-    thread = EngineThread()
-    batcher = StepBatcher(head, thread)
+    thread = Scheduler(lambda: None, max_rows=1, name="test-engine")
+    batcher = BatchQueue(thread, head.step_many)
     positions = {"a": 3, "b": 7, "c": 1}
 
     def item(sid: str, step: int) -> StepItem:
@@ -166,27 +166,16 @@ async def test_the_sessions_of_the_last_call_are_awaited_for_a_while(chain, monk
         return StepItem(sid, ShardWork(step, positions[sid] - 1, (TOKENS[step],), None), True)
 
     try:
-        gate = threading.Event()
-        busy = thread.submit(gate.wait)
-        first = [asyncio.ensure_future(batcher.step(item(sid, 2))) for sid in "abc"]
-        await asyncio.sleep(0.01)
-        gate.set()
-        await busy
-        await asyncio.gather(*first)  # one call of a, b and c: the next one waits for all three
-        monkeypatch.setattr(step_batcher, "GATHER_S", 30.0)
         forwards = head.metrics().forwards
-        a = asyncio.ensure_future(batcher.step(item("a", 3)))
-        await asyncio.sleep(0.05)
-        assert not a.done()  # waiting for b and c, though the engine is idle
-        rest = [asyncio.ensure_future(batcher.step(item(sid, 3))) for sid in "bc"]
-        await asyncio.gather(a, *rest)
-        assert head.metrics().forwards - forwards == 1
-        monkeypatch.setattr(step_batcher, "GATHER_S", 0.05)
-        out = await asyncio.wait_for(batcher.step(item("b", 4)), 60)  # a and c stopped: b goes after one wait
+        outs = await asyncio.gather(*(batcher.run(item(sid, 2)) for sid in "abc"))  # queued in one turn: one call
+        assert head.metrics().forwards - forwards == 1 and batcher.calls == 1
+        tail = engines[1]
+        for sid, out in zip("abc", outs):
+            logits = tail.decode(sid, ShardWork(2, out.position, (), out.tensor, True)).tensor
+            assert logits.tobytes() == ref_block(refs[sid], [TOKENS[2]]).tobytes()
+        # a and c stopped: b's next block goes at once, alone (no wait for the last call's companions)
+        out = await asyncio.wait_for(batcher.run(item("b", 3)), 60)
         assert head.metrics().forwards - forwards == 2 and out.next_position == positions["b"]
-        monkeypatch.setattr(step_batcher, "GATHER_S", 3600.0)  # a wait for companions would outlast the guard
-        out = await asyncio.wait_for(batcher.step(item("b", 5)), 60)  # b alone last time: it goes at once
-        assert head.metrics().forwards - forwards == 3 and out.next_position == positions["b"]
     finally:
         thread.close()
 

@@ -12,6 +12,7 @@ from inference_engine.shard.protocol.errors import ShardUnavailable, WorkCancell
 from inference_engine.shard.protocol.types import LayerRange, ShardWork
 from inference_engine.shard.worker import mlx_engine
 from inference_engine.shard.worker.mlx_engine import MlxShardEngine, load_weights, model_fingerprint
+from inference_engine.verifier import executor as executor_module
 from inference_engine.verifier.kv_cache import CacheGeometry
 from tests.fixtures.fault_config import FaultConfig
 from tests.fixtures.fault_injection import FaultInjectingEngine
@@ -67,7 +68,7 @@ def test_compute_failure_breaks_the_session(full, monkeypatch):
     def boom(*args, **kwargs):
         raise RuntimeError("simulated MLX failure")
 
-    monkeypatch.setattr(mlx_engine, "forward", boom)
+    monkeypatch.setattr(executor_module, "forward", boom)
     with pytest.raises(RuntimeError, match="simulated"):
         full.prefill("s", ShardWork(1, 0, (1, 2), None))
     monkeypatch.undo()

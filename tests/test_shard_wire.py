@@ -19,7 +19,6 @@ from inference_engine.shard.protocol.errors import (
 from inference_engine.shard.protocol.status_codes import error_of_status, grpc_status_of
 from inference_engine.shard.protocol.tensor_codec import decode_tensor, encode_tensor, wire_dtype
 from inference_engine.shard.protocol.types import LayerRange
-from inference_engine.shard.worker.engine_thread import EngineThread
 from inference_engine.shard.worker.mlx_engine import MlxShardEngine
 from inference_engine.shard.worker.route_table import RouteTable
 from inference_engine.shard.worker.servicer import start_shard_server
@@ -87,33 +86,6 @@ def test_route_table_remembers_a_bounded_number_of_ids():
     stale = _Stream("a", 3)
     table.remove(stale)  # not the live one: no-op
     assert table.live("a", 4) is not None
-
-
-async def test_engine_thread_refuses_work_after_close():
-    thread = EngineThread()
-    assert await thread.run(lambda: 7) == 7
-    thread.close()
-    with pytest.raises(ShardUnavailable, match="shutting down"):
-        await thread.run(lambda: 7)
-
-
-async def test_engine_thread_finishes_work_when_the_caller_is_cancelled():
-    thread = EngineThread()
-    done = []
-
-    def slow():
-        import time
-
-        time.sleep(0.1)
-        done.append(1)
-
-    task = asyncio.ensure_future(thread.run(slow))
-    await asyncio.sleep(0.02)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    assert done == [1]
-    thread.close()
 
 
 async def test_unbindable_address_is_an_os_error(tiny):

@@ -6,13 +6,17 @@ A `Backend` is chosen once per server: `LocalBackend` runs the whole model in th
 many sessions at once (`forward`): locally as one batched forward whose matmuls read each
 weight once for all rows; on a route as concurrent per-session calls. The verifier, the
 coordinator and the scheduler never know which backend they have.
+
+A shard worker runs the same `LocalBackend` over its span of layers [a, b) (`Span`): token
+ids in at the head, hidden states in elsewhere, logits out at the tail, hidden states
+elsewhere. One batched forward and one undo (`abandon`) serve both processes.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -99,9 +103,16 @@ class Executor(ABC):
 class Block:
     """One session's rows in a backend forward."""
 
-    executor: Executor  # the session's K/V (advanced by len(tokens))
-    tokens: tuple[int, ...]  # the rows' token ids, at positions executor.offset..
+    executor: Executor  # the session's K/V (advanced by `rows`)
+    tokens: tuple[int, ...]  # the rows' token ids, at positions executor.offset.. (a span that embeds)
     all_logits: bool  # logits of every row (verification), else of the last row only
+    hidden: np.ndarray | None = None  # (rows, hidden) input of a span that does not embed (a shard worker's)
+    before_chunk: Callable[[int], None] | None = None  # a lone block's check before each chunk (rows done); may raise to stop
+
+    @property
+    def rows(self) -> int:
+        """Rows of the block (its positions in the K/V)."""
+        return len(self.tokens) if self.hidden is None else int(self.hidden.shape[0])
 
 
 class Backend(ABC):
@@ -160,9 +171,9 @@ class LocalExecutor(Executor):
         """
         self.backend = backend
         self.geometry = geometry
-        s = backend.spec
+        s, span = backend.spec, backend.span
         self.cache: list[SinkWindowKVCache] = [  # a sliding-window layer's bounded by the model's window
-            layer_cache(geometry, s, i, storage[i] if storage else None) for i in range(s.num_layers)
+            layer_cache(geometry, s, i, storage[i - span.start] if storage else None) for i in range(span.start, span.end)
         ]
         self._is_broken = False
 
@@ -228,15 +239,20 @@ class LocalExecutor(Executor):
 
 
 class LocalBackend(Backend):
-    """The whole model in this process; many sessions' rows share one forward."""
+    """The model's layers [span.start, span.end) in this process; many sessions' rows share one forward."""
 
-    def __init__(self, model: nn.Module, spec: ModelSpec, max_block: int):
+    def __init__(self, model: nn.Module, spec: ModelSpec, max_block: int, span: Span | None = None):
+        """
+        Args:
+            span: the layers to run (default the whole model: token ids in, logits out).
+        """
         self.model = model
         self.spec = spec
         self.max_block = max_block
+        self.span = span or Span.whole(model)
 
     def prepare(self, geometry: CacheGeometry) -> list[tuple[mx.array, mx.array]]:
-        return layer_storage(geometry, self.spec)
+        return layer_storage(geometry, self.spec)[self.span.start : self.span.end]
 
     def open(self, geometry: CacheGeometry, log: TokenLog, prepared: object | None = None) -> Executor:
         return LocalExecutor(self, geometry, prepared)  # type: ignore[arg-type] - what prepare returned
@@ -246,25 +262,31 @@ class LocalBackend(Backend):
         try:
             if len(blocks) == 1:
                 b = blocks[0]
-                return [forward(self.model, b.tokens, b.executor.cache, b.all_logits, wait)]
+                x = b.tokens if b.hidden is None else b.hidden
+                return [forward(self.model, x, b.executor.cache, b.all_logits, wait, self.span, b.before_chunk)]
             return self._forward_together(blocks, wait)
         except Exception as exc:  # the batch failed as a whole: every session in it goes back
             for b, start in zip(blocks, starts):
-                b.executor.abandon(start, len(b.tokens))
+                b.executor.abandon(start, b.rows)
             return [exc] * len(blocks)
 
     def _forward_together(self, blocks: Sequence[Block], wait: bool) -> list[mx.array]:
-        rows = sum(len(b.tokens) for b in blocks)
+        rows = sum(b.rows for b in blocks)
         if rows > self.max_block:
             raise ValueError(f"a batched forward of {rows} rows exceeds the block size {self.max_block}")
-        segments = [Segment(b.executor.cache, len(b.tokens), b.all_logits) for b in blocks]
-        x = mx.array([t for b in blocks for t in b.tokens], dtype=mx.int32)
-        logits = forward_rows(self.model, x, segments, Span.whole(self.model))  # (N, V)
-        state = (logits, [c.state for b in blocks for c in b.executor.cache])
+        segments = [Segment(b.executor.cache, b.rows, b.all_logits) for b in blocks]
+        if self.span.embeds:
+            x = mx.array([t for b in blocks for t in b.tokens], dtype=mx.int32)  # (R,)
+        else:
+            x = mx.array(np.concatenate([b.hidden for b in blocks]))[None]  # (1, R, hidden)
+        out = forward_rows(self.model, x, segments, self.span)  # (N, V) logits, or (1, R, hidden)
+        state = (out, [c.state for b in blocks for c in b.executor.cache])
         mx.eval(*state) if wait else mx.async_eval(*state)
+        if not self.span.has_lm_head:
+            out = out[0]  # (R, hidden)
         outs, lo = [], 0
         for b in blocks:
-            n = len(b.tokens) if b.all_logits else 1
-            outs.append(logits[lo : lo + n])
+            n = b.rows if b.all_logits or not self.span.has_lm_head else 1
+            outs.append(out[lo : lo + n])
             lo += n
         return outs

@@ -1,12 +1,14 @@
 """The real shard engine: transformer blocks [start, end) of an MLX model on the exact path.
 
 The head embeds token ids, every worker runs its blocks over per-session
-`SinkWindowKVCache`s, the tail applies the final norm and LM head. A block runs through the
-model's own `forward` over this worker's span of layers, chunked at the session's
-`max_block` (the probed tile), so a route of these engines reproduces the single-process
-logits bit for bit. Blocks of several sessions waiting at once (`step_many`) share one
-forward, as the local scheduler's do: each weight is read once for all their rows, and
-each row's bits stay its session's alone (row-invariant products, per-row attention).
+`SinkWindowKVCache`s, the tail applies the final norm and LM head. The compute is the front
+server's own: a `LocalBackend` over this worker's span of layers, one `LocalExecutor` per
+session. A lone block is chunked at the session's `max_block` (the probed tile), so a route
+of these engines reproduces the single-process logits bit for bit; blocks of several
+sessions waiting at once (`step_many`) share one batched forward, as the front server's
+do: each weight is read once for all their rows, and each row's bits stay its session's
+alone (row-invariant products, per-row attention). This file adds only what a worker
+checks: its sessions' positions, inputs, cancels and broken state.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import numpy as np
 
 from inference_engine.blas import active_blas
 from inference_engine.errors import InvalidRequest, InvariantViolation, PoolExhausted, SessionNotFound
-from inference_engine.model.forward import Segment, Span, forward, forward_rows
+from inference_engine.model.forward import Span
 from inference_engine.model.gguf_blocks import has_blocks
 from inference_engine.model.loader import load_weights, model_fingerprint, spec_of
 from inference_engine.shard.protocol.errors import WorkCancelled
@@ -37,8 +39,8 @@ from inference_engine.shard.protocol.types import (
     StepItem,
 )
 from inference_engine.shard.worker.engine import ShardEngine
+from inference_engine.verifier.executor import Block, LocalBackend, LocalExecutor
 from inference_engine.verifier.kv_cache import CacheGeometry, SinkWindowKVCache
-from inference_engine.verifier.sliding_kv_cache import layer_cache
 from inference_engine.verifier.tile_probe import fp32_mismatches, probe_tile
 
 _NUMPY_DTYPE = {mx.float32: "float32", mx.float16: "float16"}
@@ -49,14 +51,18 @@ class _Session:
     """One route session's caches on this engine."""
 
     geometry: CacheGeometry  # shared by every worker of the route
-    cache: list[SinkWindowKVCache]  # one per block in [start, end)
+    executor: LocalExecutor  # one cache per block in [start, end)
     is_cancelled: bool = False  # whole-session cancel: refuse all work
     broken: str = ""  # why the cache is unusable ("" = fine)
     cancelled_items: set[int] = field(default_factory=set)  # work ids to stop at a chunk boundary
 
     @property
+    def cache(self) -> list[SinkWindowKVCache]:
+        return self.executor.cache
+
+    @property
     def position(self) -> int:
-        return self.cache[0].offset
+        return self.executor.offset
 
 
 class MlxShardEngine(ShardEngine):
@@ -126,7 +132,8 @@ class MlxShardEngine(ShardEngine):
         max_rollback, max_sessions, max_sink, max_window = self._limits
         self.model = model
         self._spec = spec_of(model, self._name)
-        self._span = Span(self.layers.start, self.layers.end, self.layers.start == 0, self.layers.end == num_layers)
+        span = Span(self.layers.start, self.layers.end, self.layers.start == 0, self.layers.end == num_layers)
+        self._backend = LocalBackend(model, self._spec, block, span)
         self._caps = ShardCapabilities(
             model_name=self._name, model_fingerprint=model_fingerprint(model), num_layers=num_layers,
             layers=self.layers, hidden_size=int(args.hidden_size), vocab_size=int(args.vocab_size),
@@ -155,13 +162,13 @@ class MlxShardEngine(ShardEngine):
         for what, (value, low, high) in checks.items():
             if not low <= value <= high:
                 raise InvalidRequest(f"session {what} = {value} is out of range; this worker allows {low}..{high}")
-        cache = [layer_cache(geometry, self._spec, i) for i in range(self.layers.start, self.layers.end)]
+        executor = LocalExecutor(self._backend, geometry)
         with self._lock:
             if session_id in self._sessions:
                 raise InvalidRequest(f"session {session_id!r} is already open on this worker")
             if len(self._sessions) >= caps.max_sessions:
                 raise PoolExhausted(f"all {caps.max_sessions} session slots of this worker are in use")
-            self._sessions[session_id] = _Session(geometry, cache)
+            self._sessions[session_id] = _Session(geometry, executor)
 
     def release(self, session_id: str) -> bool:
         with self._lock:
@@ -190,12 +197,18 @@ class MlxShardEngine(ShardEngine):
     # -- compute ---------------------------------------------------------------------
 
     def prefill(self, session_id: str, work: ShardWork) -> ShardOutput:
-        return self._step(session_id, work)
+        return self._one(StepItem(session_id, work, is_decode=False))
 
     def decode(self, session_id: str, work: ShardWork) -> ShardOutput:
-        if work.rows != 1:
-            raise InvalidRequest(f"decode takes exactly one row, got {work.rows}")
-        return self._step(session_id, work)
+        return self._one(StepItem(session_id, work, is_decode=True))
+
+    def _one(self, item: StepItem) -> ShardOutput:
+        results: list[ShardOutput | BaseException | None] = [None]
+        self._run([item], [0], results)
+        out = results[0]
+        if isinstance(out, BaseException):
+            raise out
+        return out
 
     def trim(self, session_id: str, n: int, position: int) -> int:
         s = self._session(session_id)
@@ -204,15 +217,14 @@ class MlxShardEngine(ShardEngine):
         allowed = min(s.geometry.max_rollback, s.position)
         if not 0 <= n <= allowed:
             raise InvariantViolation(f"cannot trim {n} positions; allowed 0..{allowed}")
-        for c in s.cache:
-            c.trim(n)
+        s.executor.trim(n)
         return s.position
 
     def layer_digests(self, session_id: str, position: int) -> list[bytes]:
         s = self._session(session_id)
         if position != s.position:
             raise InvariantViolation(f"digest at position {position}, but the session is at {s.position}")
-        return [c.digest() for c in s.cache]
+        return s.executor.layer_digests()
 
     def export_kv(self, session_id: str, position: int) -> list[tuple[np.ndarray, np.ndarray]]:
         s = self._session(session_id)
@@ -257,99 +269,82 @@ class MlxShardEngine(ShardEngine):
         if work.tokens and len(work.tokens) != h.shape[0]:
             raise InvalidRequest(f"{len(work.tokens)} sideband token ids for {h.shape[0]} rows")
 
-    def _step(self, session_id: str, work: ShardWork) -> ShardOutput:
-        caps = self._ready()
-        s = self._session(session_id)
+    def _block_of(self, item: StepItem) -> tuple[_Session, Block]:
+        """The item's block on its session's executor, once its checks pass."""
+        s = self._session(item.session_id)
+        work = item.work
+        if item.is_decode and work.rows != 1:
+            raise InvalidRequest(f"decode takes exactly one row, got {work.rows}")
         self._check_input(s, work)
-        started, position, rows = time.perf_counter(), s.position, work.rows
-
-        def before_chunk(done_rows: int) -> None:
-            if s.is_cancelled or work.work_id in s.cancelled_items:
-                self._abandon(s, done_rows)
-                raise WorkCancelled(f"work {work.work_id} of session {session_id!r} was cancelled")
-
-        x = work.tokens if caps.is_head else work.hidden
-        try:
-            out = forward(self.model, x, s.cache, work.all_logits, span=self._span, before_chunk=before_chunk)
-            tensor = np.array(out)
-        except (WorkCancelled, InvariantViolation):
-            raise
-        except Exception as exc:
-            s.broken = f"compute failed at position {s.position}: {type(exc).__name__}"
-            raise
-        finally:
+        if work.work_id in s.cancelled_items:
             s.cancelled_items.discard(work.work_id)
-        self._count(1, rows, started, chunks=-(-rows // s.geometry.max_block))
-        return ShardOutput(work.work_id, position, s.position, tensor, is_logits=caps.is_tail)
+            raise WorkCancelled(f"work {work.work_id} of session {item.session_id!r} was cancelled")
+
+        def before_chunk(done_rows: int) -> None:  # a lone block's chunk loop: a cancel stops it here
+            if s.is_cancelled or work.work_id in s.cancelled_items:
+                raise WorkCancelled(f"work {work.work_id} of session {item.session_id!r} was cancelled")
+
+        tokens = tuple(work.tokens) if self._caps.is_head else ()
+        return s, Block(s.executor, tokens, work.all_logits, None if self._caps.is_head else work.hidden, before_chunk)
 
     def step_many(self, items: Sequence[StepItem]) -> list[ShardOutput | BaseException]:
-        """One forward for the items that fit the tile together (one chunk each, one per session); the rest alone, after.
+        """The items in as few backend forwards as the tile allows: the first of each session that fits
+        together (one chunk each) in one, the rest alone, after, in order.
 
-        An item refused by its checks (unknown, broken or cancelled session, wrong position,
-        bad input) gets its exception and stays out; a forward that fails breaks the sessions
-        in it (their caches may hold part of the block), as `_step` does for one.
+        An item refused by its checks (unknown, broken or cancelled session, wrong position, bad
+        input) gets its exception and stays out. A failed block's session is back where it was
+        (`LocalExecutor.abandon`); a failure other than a cancel still breaks it (its worker's
+        copy may disagree with the others of the route).
         """
         caps = self._ready()
         results: list[ShardOutput | BaseException | None] = [None] * len(items)
-        together: list[tuple[int, _Session]] = []
+        together: list[int] = []
         rows, taken = 0, set()
         for i, item in enumerate(items):
-            n = item.work.rows
-            if item.session_id in taken or rows + n > caps.max_block:
-                taken.add(item.session_id)  # its session's later items run after it, alone
-                continue  # runs alone below, after the forward
-            taken.add(item.session_id)
-            try:
-                s = self._session(item.session_id)
-                if item.is_decode and n != 1:
-                    raise InvalidRequest(f"decode takes exactly one row, got {n}")
-                if n > s.geometry.max_block:
-                    continue  # several chunks: `_step`'s chunk loop
-                self._check_input(s, item.work)
-                if item.work.work_id in s.cancelled_items:
-                    s.cancelled_items.discard(item.work.work_id)
-                    raise WorkCancelled(f"work {item.work.work_id} of session {item.session_id!r} was cancelled")
-            except Exception as exc:  # noqa: BLE001 - that item's answer
-                results[i] = exc
-                continue
-            together.append((i, s))
-            rows += n
-        if len(together) > 1:  # (one item alone: `_step`, as ever)
-            for i, out in zip((i for i, _ in together), self._forward_together([(items[i], s) for i, s in together])):
-                results[i] = out
-        alone = [i for i, r in enumerate(results) if r is None]
+            n, s = item.work.rows, self._sessions.get(item.session_id)
+            fits = item.session_id not in taken and rows + n <= caps.max_block  # one chunk, as a lone block's:
+            fits = fits and (s is None or n <= s.geometry.max_block)  # else its chunk loop runs it alone
+            taken.add(item.session_id)  # its session's later items run after it, alone
+            if fits:
+                together.append(i)
+                rows += n
+        if len(together) > 1:  # (one item alone: `prefill` / `decode`, as ever)
+            self._run(items, together, results)
+        alone = [i for i in range(len(items)) if i not in together or len(together) == 1]
         for i, out in zip(alone, super().step_many([items[i] for i in alone])):
             results[i] = out
         return results  # type: ignore[return-value] - every slot is filled
 
-    def _forward_together(self, batch: list[tuple[StepItem, _Session]]) -> list[ShardOutput | BaseException]:
-        """The items' rows in one `forward_rows` over this worker's span (each fits one chunk)."""
-        caps, started = self._ready(), time.perf_counter()
-        positions = [s.position for _, s in batch]
-        segments = [Segment(s.cache, item.work.rows, item.work.all_logits) for item, s in batch]
-        if caps.is_head:
-            x = mx.array([t for item, _ in batch for t in item.work.tokens], dtype=mx.int32)  # (R,)
-        else:
-            x = mx.array(np.concatenate([item.work.hidden for item, _ in batch]))[None]  # (1, R, hidden)
-        try:
-            out = forward_rows(self.model, x, segments, self._span)  # (N, V) logits, or (1, R, hidden)
-            mx.eval(out, [c.state for _, s in batch for c in s.cache])
-            tensor = np.array(out if caps.is_tail else out[0])
-        except Exception as exc:  # noqa: BLE001 - every session of the forward is in doubt
-            for item, s in batch:
-                s.broken = f"compute failed at position {s.position}: {type(exc).__name__}"
-            return [exc] * len(batch)
-        finally:
-            for item, s in batch:
-                s.cancelled_items.discard(item.work.work_id)  # a cancel that came too late
-        results: list[ShardOutput | BaseException] = []
-        lo = 0
-        for (item, s), position in zip(batch, positions):
-            n = item.work.rows if item.work.all_logits or not caps.is_tail else 1
-            results.append(ShardOutput(item.work.work_id, position, s.position, tensor[lo : lo + n], caps.is_tail))
-            lo += n
-        self._count(len(batch), sum(item.work.rows for item, _ in batch), started)
-        return results
+    def _run(self, items: Sequence[StepItem], group: list[int], results: list) -> None:
+        """One backend forward of the items `group` (by index) that pass their checks."""
+        started, blocks = time.perf_counter(), []
+        for i in group:
+            try:
+                blocks.append((i, *self._block_of(items[i])))
+            except Exception as exc:  # noqa: BLE001 - that item's answer
+                results[i] = exc
+        if not blocks:
+            return
+        positions = [s.position for _, s, _ in blocks]
+        outs = self._backend.forward([b for _, _, b in blocks])
+        for (i, s, block), position, out in zip(blocks, positions, outs):
+            s.cancelled_items.discard(items[i].work.work_id)  # done, or a cancel that came too late
+            results[i] = self._output(items[i], s, block, position, out)
+        lone = blocks[0][2]  # a lone block runs in chunks of its session's max_block
+        self._count(len(blocks), sum(b.rows for _, _, b in blocks), started,
+                    chunks=-(-lone.rows // lone.executor.geometry.max_block) if len(blocks) == 1 else 1)
+
+    def _output(self, item: StepItem, s: _Session, block: Block, position: int,
+                out: mx.array | BaseException) -> ShardOutput | BaseException:
+        if isinstance(out, WorkCancelled) and s.executor.is_broken:
+            s.broken = f"cancelled after more rows than max_block + max_rollback ({block.rows})"
+            return InvariantViolation(f"block of {block.rows} rows cancelled midway; the session cannot be "
+                                      f"restored: {s.broken}")
+        if isinstance(out, BaseException):
+            if not isinstance(out, (WorkCancelled, InvariantViolation)):
+                s.broken = f"compute failed at position {position}: {type(out).__name__}"
+            return out
+        return ShardOutput(item.work.work_id, position, s.position, np.array(out), is_logits=self._caps.is_tail)
 
     def _count(self, steps: int, rows: int, started: float, chunks: int = 1) -> None:
         with self._lock:
@@ -357,15 +352,6 @@ class MlxShardEngine(ShardEngine):
             self._rows += rows
             self._forwards += chunks
             self._busy_s += time.perf_counter() - started
-
-    def _abandon(self, s: _Session, done_rows: int) -> None:
-        """Undo the rows of a cancelled block, or mark the session broken if that is inexact."""
-        if done_rows <= s.geometry.max_rollback:
-            for c in s.cache:
-                c.trim(done_rows)
-            return
-        s.broken = f"cancelled after {done_rows} rows (more than max_rollback {s.geometry.max_rollback})"
-        raise InvariantViolation(f"block cancelled after {done_rows} rows; the session cannot be restored: {s.broken}")
 
     # -- observability ---------------------------------------------------------------
 

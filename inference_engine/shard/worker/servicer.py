@@ -10,18 +10,20 @@ from typing import Any, Callable
 import grpc
 
 from inference_engine.errors import InvalidRequest, RuntimeServiceError, SessionNotFound
+from inference_engine.runtime.batch_queue import BatchQueue
+from inference_engine.runtime.scheduler import Scheduler
 from inference_engine.security.auth_interceptor import token_interceptors
 from inference_engine.security.credentials import SERVER_OPTIONS, bind
 from inference_engine.security.settings import ServerSecurity
 from inference_engine.shard.protocol.errors import ShardUnavailable, code_of
 from inference_engine.shard.protocol.status_codes import grpc_status_of
+from inference_engine.shard.protocol.types import ShardOutput, StepItem
 from inference_engine.shard.protocol.wire import CHANNEL_OPTIONS, capability_msg, check, error_frame, frame_header, health_msg
 from inference_engine.shard.worker.engine import ShardEngine
-from inference_engine.shard.worker.engine_thread import EngineThread
 from inference_engine.shard.worker.route_table import RouteTable
 from inference_engine.shard.worker.session_stream import SessionStream
-from inference_engine.shard.worker.step_batcher import StepBatcher
 from inference_engine.v1 import shard_runtime_pb2 as pb
+from inference_engine.verifier.executor import Backend
 from inference_engine.v1 import shard_runtime_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
@@ -46,6 +48,10 @@ def _mapped(method: Callable) -> Callable:
     return wrapper
 
 
+def _no_jobs() -> Backend:
+    raise AssertionError("a shard worker starts no scheduler jobs: its blocks come as plain calls")
+
+
 class ShardRuntimeServicer(pb_grpc.ShardRuntimeServicer):
     """Converts and validates shard frames; runs the engine on its own thread."""
 
@@ -59,8 +65,10 @@ class ShardRuntimeServicer(pb_grpc.ShardRuntimeServicer):
         self.engine = engine
         self.max_credits = max_credits
         self.default_credits = min(default_credits, max_credits)
-        self.thread = EngineThread()  # the one thread that runs this engine's work
-        self.batcher = StepBatcher(engine, self.thread)  # sessions' blocks waiting at once: one forward
+        # The runtime's engine thread (its plain calls) runs this engine's work; the blocks of
+        # sessions waiting at once go to it together (`BatchQueue`): one batched forward.
+        self.thread = Scheduler(_no_jobs, max_rows=1, name="shard-engine")
+        self.batcher: BatchQueue[StepItem, ShardOutput] = BatchQueue(self.thread, engine.step_many)
         self.routes = RouteTable()
 
     @_mapped

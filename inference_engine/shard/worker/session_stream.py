@@ -2,8 +2,8 @@
 
 Three tasks share the stream: a reader admits frames (epoch, deadline, duplicate step,
 credit, payload checks) and answers rejections at once; an executor runs admitted work
-in order on the engine thread (prefill and decode blocks through the worker's StepBatcher:
-blocks of sessions waiting at once share one forward); the writer (the RPC's own task)
+in order on the runtime's engine thread (prefill and decode blocks through the worker's
+BatchQueue: blocks of sessions waiting at once share one forward); the writer (the RPC's own task)
 sends every answer. Work frames that come in a Batch request (`submit`) go through the same
 admission and the same in-order executor; their answers go back to the batch, not the stream.
 A non-retryable error "fails closed": its error frame is the last one written, the session's caches are released and the RPC ends with the matching status code.
@@ -22,6 +22,8 @@ from typing import Coroutine
 import grpc
 
 from inference_engine.errors import InvalidRequest, RuntimeServiceError, SessionNotFound
+from inference_engine.runtime.batch_queue import BatchQueue
+from inference_engine.runtime.scheduler import Scheduler
 from inference_engine.shard.protocol.errors import (
     DeadlineExpired,
     EpochStale,
@@ -31,7 +33,7 @@ from inference_engine.shard.protocol.errors import (
     code_of,
 )
 from inference_engine.shard.protocol.status_codes import grpc_status_of
-from inference_engine.shard.protocol.types import ShardWork, StepItem
+from inference_engine.shard.protocol.types import ShardOutput, ShardWork, StepItem
 from inference_engine.shard.protocol.wire import (
     FrameHeader,
     LayerKV,
@@ -45,9 +47,7 @@ from inference_engine.shard.protocol.wire import (
     work_of,
 )
 from inference_engine.shard.worker.engine import ShardEngine
-from inference_engine.shard.worker.engine_thread import EngineThread
 from inference_engine.shard.worker.route_table import RouteTable
-from inference_engine.shard.worker.step_batcher import StepBatcher
 from inference_engine.v1 import shard_runtime_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ class _Admitted:
 class SessionStream:
     """One route session bound to one Session RPC on a worker."""
 
-    def __init__(self, engine: ShardEngine, thread: EngineThread, batcher: StepBatcher, routes: RouteTable,
+    def __init__(self, engine: ShardEngine, thread: Scheduler, batcher: BatchQueue[StepItem, ShardOutput], routes: RouteTable,
                  context: grpc.aio.ServicerContext, max_credits: int, default_credits: int):
         self.engine, self.thread, self.batcher, self.routes, self.context = engine, thread, batcher, routes, context
         self.max_credits, self.default_credits = max_credits, default_credits
@@ -348,7 +348,7 @@ class SessionStream:
             new_position = await self.thread.run(self.engine.import_kv, self.key, position, target, layers)
             result = pb.ShardStepResult(idempotency_step=step, position=position, next_position=new_position)
             return pb.ShardResponseFrame(result=result, flow=self._grant())
-        out = await self.batcher.step(StepItem(self.key, item.work, is_decode=item.header.kind == "decode"))
+        out = await self.batcher.run(StepItem(self.key, item.work, is_decode=item.header.kind == "decode"))
         return result_frame(out, self._grant())
 
     # -- helpers ---------------------------------------------------------------------
