@@ -8,7 +8,7 @@ from grpc_status import rpc_status
 
 from inference_engine import errors
 from inference_engine.server.error_details import rich_status
-from inference_engine.server.status_codes import ERROR_SPECS, spec_of, status_of
+from inference_engine.status_codes import ERROR_SPECS, spec_of, status_of
 from inference_engine.v1 import runtime_pb2 as pb
 from tests.ops_helpers import PROMPT, generate, rpc_error, serving
 

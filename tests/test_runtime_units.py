@@ -9,7 +9,7 @@ import pytest
 from inference_engine import config as config_mod
 from inference_engine.errors import InvariantViolation, PoolExhausted, SessionBusy, SessionNotFound
 from inference_engine.runtime.engine import Engine
-from inference_engine.server.status_codes import status_of
+from inference_engine.status_codes import status_of
 from inference_engine.session.session import Session
 from inference_engine.session.session_store import SessionStore
 from inference_engine.verifier import executor as executor_mod

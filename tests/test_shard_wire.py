@@ -13,15 +13,16 @@ from inference_engine.shard.protocol.errors import (
     ShardErrorCode,
     ShardUnavailable,
     WorkCancelled,
-    code_of,
     error_for,
+    error_of_status,
 )
-from inference_engine.shard.protocol.status_codes import error_of_status, grpc_status_of
 from inference_engine.shard.protocol.tensor_codec import decode_tensor, encode_tensor, wire_dtype
 from inference_engine.shard.protocol.types import LayerRange
 from inference_engine.shard.worker.mlx_engine import MlxShardEngine
 from inference_engine.shard.worker.route_table import RouteTable
 from inference_engine.shard.worker.servicer import start_shard_server
+from inference_engine.status_codes import shard_code_of as code_of
+from inference_engine.status_codes import shard_status_of as grpc_status_of
 from inference_engine.v1 import shard_runtime_pb2 as pb
 
 

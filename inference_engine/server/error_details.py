@@ -16,7 +16,7 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from inference_engine.errors import InvalidRequest
-from inference_engine.server.status_codes import ERROR_DOMAIN, spec_of
+from inference_engine.status_codes import ERROR_DOMAIN, spec_of
 
 
 def _packed(message: object) -> any_pb2.Any:

@@ -8,7 +8,6 @@ still loading) every call is UNAVAILABLE.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import time
 from typing import Any, Callable
@@ -23,6 +22,7 @@ from inference_engine.server import call_record, convert
 from inference_engine.server.error_details import abort_with
 from inference_engine.server.model_info import describe_model
 from inference_engine.server.validation import Validator
+from inference_engine.status_codes import mapped
 from inference_engine.text.chat import ChatInput
 from inference_engine.text.codec import require
 from inference_engine.text.text_pool import run_text
@@ -33,26 +33,21 @@ log = logging.getLogger(__name__)
 Identify = Callable[[grpc.aio.ServicerContext], str]  # the caller's identity
 
 
-def _mapped(method: Callable) -> Callable:
-    """Identify the caller, run the call for it; abort with the mapped status on errors, log unexpected ones."""
+async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+    message = None if isinstance(exc, RuntimeServiceError) else f"internal error: {type(exc).__name__}: {exc}"
+    await abort_with(context, exc, message)
 
-    @functools.wraps(method)
-    async def wrapper(self: "RuntimeServicer", request: Any, context: grpc.aio.ServicerContext) -> Any:
-        try:
-            if self.runtime is None:
-                raise EngineUnavailable("the server is starting (the model is still loading); retry shortly")
-            owner = self.identify(context)
-            call_record.current().identity = owner
-            return await method(self, request, context, owner)
-        except RuntimeServiceError as exc:
-            await abort_with(context, exc)
-        except grpc.aio.AbortError:  # already answered (an undecodable message of a client stream): as it is
-            raise
-        except Exception as exc:  # noqa: BLE001 - the INTERNAL catch-all, logged
-            log.exception("unexpected error in %s", method.__name__)
-            await abort_with(context, exc, f"internal error: {type(exc).__name__}: {exc}")
 
-    return wrapper
+def _identify(self: "RuntimeServicer", context: grpc.aio.ServicerContext) -> tuple[str]:
+    """The caller's identity (its sessions' owner), once the runtime is attached."""
+    if self.runtime is None:
+        raise EngineUnavailable("the server is starting (the model is still loading); retry shortly")
+    owner = self.identify(context)
+    call_record.current().identity = owner
+    return (owner,)
+
+
+_mapped = mapped(_abort, _identify)  # identify the caller, run the call for it; abort with the mapped status
 
 
 class RuntimeServicer(pb_grpc.RuntimeServiceServicer):

@@ -19,7 +19,7 @@ from google.rpc import error_details_pb2, status_pb2
 
 DOMAIN = "inference_engine"  # ErrorInfo.domain of every error the server makes
 C = grpc.StatusCode
-# ErrorInfo.reason -> the code it comes with (docs/serving.md "Errors"; server/status_codes.py).
+# ErrorInfo.reason -> the code it comes with (docs/serving.md "Errors"; status_codes.py).
 REASON_CODES: dict[str, grpc.StatusCode] = {
     "INVALID_REQUEST": C.INVALID_ARGUMENT,
     "MALFORMED_REQUEST": C.INVALID_ARGUMENT,

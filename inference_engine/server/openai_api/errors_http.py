@@ -1,5 +1,5 @@
 """Errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}` with the HTTP status
-from the one error table (server/status_codes.py); nothing ever shows a traceback."""
+from the one error table (status_codes.py); nothing ever shows a traceback."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from inference_engine.errors import InvalidRequest, RuntimeServiceError
-from inference_engine.server.status_codes import spec_of
+from inference_engine.status_codes import spec_of
 
 log = logging.getLogger(__name__)
 

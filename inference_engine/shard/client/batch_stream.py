@@ -12,8 +12,7 @@ import asyncio
 
 import grpc
 
-from inference_engine.shard.protocol.errors import DeadlineExpired, MalformedShardOutput, ShardUnavailable
-from inference_engine.shard.protocol.status_codes import error_of_rpc
+from inference_engine.shard.protocol.errors import DeadlineExpired, MalformedShardOutput, ShardUnavailable, error_of_rpc
 from inference_engine.v1 import shard_runtime_pb2 as pb
 from inference_engine.v1 import shard_runtime_pb2_grpc as pb_grpc
 

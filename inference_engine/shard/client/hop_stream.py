@@ -20,8 +20,9 @@ from inference_engine.shard.protocol.errors import (
     ShardErrorCode,
     ShardUnavailable,
     error_for,
+    error_of_rpc,
+    error_of_status,
 )
-from inference_engine.shard.protocol.status_codes import error_of_rpc, error_of_status
 from inference_engine.shard.protocol.types import ShardCapabilities
 from inference_engine.shard.protocol.wire import open_frame
 from inference_engine.v1 import shard_runtime_pb2 as pb

@@ -36,8 +36,7 @@ from inference_engine.shard.client.batched_forward import BatchedForward
 from inference_engine.shard.client.hop_stream import HopStream
 from inference_engine.shard.client.kv_transfer import KvTransfer
 from inference_engine.shard.client.route_session import HopStats, RouteSession, checked_output
-from inference_engine.shard.protocol.errors import MalformedShardOutput
-from inference_engine.shard.protocol.status_codes import error_of_rpc
+from inference_engine.shard.protocol.errors import MalformedShardOutput, error_of_rpc
 from inference_engine.shard.protocol.types import LayerRange, ShardCapabilities, ShardHealth
 from inference_engine.shard.protocol.wire import (
     CLIENT_CHANNEL_OPTIONS,

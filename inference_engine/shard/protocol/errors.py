@@ -1,13 +1,14 @@
-"""The shard protocol's error codes and the exceptions that carry them.
+"""The shard protocol's own errors, and what a route client raises for a worker's error.
 
-Every shard error is a `RuntimeServiceError`, so the runtime's one hierarchy still holds;
-`code_of` and `error_for` translate between exceptions and the wire's `ShardErrorCode`
-(gRPC status codes are mapped in `status_codes.py`).
+Every shard error is a `RuntimeServiceError` (the one hierarchy) carrying its wire code;
+the one status table (`inference_engine/status_codes.py`) maps every class to its wire code
+(`code_of`) and every wire code to a gRPC status. Here is the other direction: the
+exception a client raises for a wire code (`error_for`) or a failed call (`error_of_status`).
 """
 
 from __future__ import annotations
 
-import enum
+import grpc
 
 from inference_engine.errors import (
     EngineUnavailable,
@@ -17,23 +18,7 @@ from inference_engine.errors import (
     RuntimeServiceError,
     SessionNotFound,
 )
-
-
-class ShardErrorCode(enum.IntEnum):
-    """Mirror of the proto enum `ShardErrorCode` (same numbers)."""
-
-    UNSPECIFIED = 0
-    EPOCH_STALE = 1
-    DEADLINE_EXCEEDED = 2
-    PAYLOAD_CORRUPT = 3
-    FLOW_CONTROL_VIOLATION = 4
-    CANCELLED = 5
-    RESOURCE_EXHAUSTED = 6
-    INVALID_ARGUMENT = 7
-    SESSION_NOT_FOUND = 8
-    FAILED_PRECONDITION = 9
-    UNAVAILABLE = 10
-    INTERNAL = 11
+from inference_engine.status_codes import SHARD_CODE_OF_STATUS, ShardErrorCode
 
 
 class ShardError(RuntimeServiceError):
@@ -86,14 +71,6 @@ class ShardUnavailable(EngineUnavailable, ShardError):
     code = ShardErrorCode.UNAVAILABLE
 
 
-_CODE_OF: dict[type[RuntimeServiceError], ShardErrorCode] = {
-    InvalidRequest: ShardErrorCode.INVALID_ARGUMENT,
-    SessionNotFound: ShardErrorCode.SESSION_NOT_FOUND,
-    PoolExhausted: ShardErrorCode.RESOURCE_EXHAUSTED,
-    InvariantViolation: ShardErrorCode.FAILED_PRECONDITION,
-    EngineUnavailable: ShardErrorCode.UNAVAILABLE,
-}
-
 _ERROR_FOR: dict[ShardErrorCode, type[RuntimeServiceError]] = {
     ShardErrorCode.EPOCH_STALE: EpochStale,
     ShardErrorCode.DEADLINE_EXCEEDED: DeadlineExpired,
@@ -108,16 +85,24 @@ _ERROR_FOR: dict[ShardErrorCode, type[RuntimeServiceError]] = {
 }
 
 
-def code_of(exc: BaseException) -> ShardErrorCode:
-    """Wire code of an exception; anything unexpected is INTERNAL."""
-    if isinstance(exc, ShardError):
-        return exc.code
-    for cls in type(exc).__mro__:
-        if cls in _CODE_OF:
-            return _CODE_OF[cls]
-    return ShardErrorCode.INTERNAL
-
-
 def error_for(code: ShardErrorCode, message: str) -> RuntimeServiceError:
     """The exception a client raises for a wire error (INTERNAL and unknown: `ShardError`)."""
     return _ERROR_FOR.get(code, ShardError)(message)
+
+
+def error_of_rpc(exc: grpc.aio.AioRpcError, address: str) -> RuntimeServiceError:
+    """The exception a client raises for a failed call to the worker at `address`."""
+    return error_of_status(exc.code(), exc.details() or "", address)
+
+
+def error_of_status(status: grpc.StatusCode, details: str, address: str) -> RuntimeServiceError:
+    """The exception for a call to `address` that ended with `status`.
+
+    The status details of a stream that failed closed start with the error code's name
+    (`EPOCH_STALE: ...`); a worker that cannot be reached is ShardUnavailable.
+    """
+    name = details.split(":", 1)[0]
+    code = ShardErrorCode.__members__.get(name) or SHARD_CODE_OF_STATUS.get(status, ShardErrorCode.INTERNAL)
+    if code == ShardErrorCode.UNAVAILABLE:
+        return ShardUnavailable(f"shard worker {address} is unavailable: {details or status.name}")
+    return error_for(code, f"shard worker {address}: {details or status.name}")

@@ -11,7 +11,7 @@ from typing import Sequence
 import numpy as np
 
 from inference_engine.errors import InvalidRequest, RuntimeServiceError
-from inference_engine.shard.protocol.errors import code_of
+from inference_engine.status_codes import shard_code_of
 from inference_engine.shard.protocol.tensor_codec import decode_tensor, encode_tensor, wire_dtype
 from inference_engine.shard.protocol.types import (
     LayerRange,
@@ -160,7 +160,7 @@ def error_frame(exc: BaseException, step: int, session_closed: bool,
     """A ShardError for `exc` (retryable only for retryable errors on a live session)."""
     retryable = bool(getattr(exc, "retryable", False)) and not session_closed
     message = str(exc) if isinstance(exc, RuntimeServiceError) else f"internal error: {type(exc).__name__}: {exc}"
-    err = pb.ShardError(code=int(code_of(exc)), message=message, retryable=retryable,
+    err = pb.ShardError(code=int(shard_code_of(exc)), message=message, retryable=retryable,
                         session_closed=session_closed, idempotency_step=step)
     return pb.ShardResponseFrame(error=err, flow=flow)
 

@@ -15,8 +15,8 @@ from inference_engine.runtime.scheduler import Scheduler
 from inference_engine.security.auth_interceptor import token_interceptors
 from inference_engine.security.credentials import SERVER_OPTIONS, bind
 from inference_engine.security.settings import ServerSecurity
-from inference_engine.shard.protocol.errors import ShardUnavailable, code_of
-from inference_engine.shard.protocol.status_codes import grpc_status_of
+from inference_engine.status_codes import mapped, shard_code_of, shard_status_of
+from inference_engine.shard.protocol.errors import ShardUnavailable
 from inference_engine.shard.protocol.types import ShardOutput, StepItem
 from inference_engine.shard.protocol.wire import CHANNEL_OPTIONS, capability_msg, check, error_frame, frame_header, health_msg
 from inference_engine.shard.worker.engine import ShardEngine
@@ -30,22 +30,12 @@ log = logging.getLogger(__name__)
 RELEASE_WAIT_S = 30.0  # Release waits this long for a running item to stop
 
 
-def _mapped(method: Callable) -> Callable:
-    """Abort unary calls with the mapped status code; details start with the error code's name."""
+async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+    code = shard_code_of(exc)
+    await context.abort(shard_status_of(code), f"{code.name}: {exc}")  # details start with the wire code's name
 
-    @functools.wraps(method)
-    async def wrapper(self: "ShardRuntimeServicer", request: Any, context: grpc.aio.ServicerContext) -> Any:
-        try:
-            return await method(self, request, context)
-        except grpc.aio.AbortError:  # already answered: as it is
-            raise
-        except Exception as exc:  # noqa: BLE001 - mapped once, unexpected ones logged
-            if not isinstance(exc, RuntimeServiceError):
-                log.exception("unexpected error in %s", method.__name__)
-            code = code_of(exc)
-            await context.abort(grpc_status_of(code), f"{code.name}: {exc}")
 
-    return wrapper
+_mapped = mapped(_abort)
 
 
 def _no_jobs() -> Backend:

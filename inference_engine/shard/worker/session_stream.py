@@ -30,9 +30,7 @@ from inference_engine.shard.protocol.errors import (
     FlowControlViolation,
     ShardUnavailable,
     WorkCancelled,
-    code_of,
 )
-from inference_engine.shard.protocol.status_codes import grpc_status_of
 from inference_engine.shard.protocol.types import ShardOutput, ShardWork, StepItem
 from inference_engine.shard.protocol.wire import (
     FrameHeader,
@@ -48,6 +46,7 @@ from inference_engine.shard.protocol.wire import (
 )
 from inference_engine.shard.worker.engine import ShardEngine
 from inference_engine.shard.worker.route_table import RouteTable
+from inference_engine.status_codes import shard_code_of, shard_status_of
 from inference_engine.v1 import shard_runtime_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -125,7 +124,7 @@ class SessionStream:
             # The clean-up runs to its end even if this RPC is cancelled (the client hung up).
             await asyncio.shield(_background(self._close(tasks)))
         if fatal is not None:
-            await self.context.abort(grpc_status_of(code_of(fatal)), f"{code_of(fatal).name}: {fatal}")
+            await self.context.abort(shard_status_of(shard_code_of(fatal)), f"{shard_code_of(fatal).name}: {fatal}")
 
     async def _open(self, frame: pb.ShardRequestFrame) -> pb.SessionAccepted:
         """Validate the SessionOpen, register the session and allocate its caches."""
@@ -153,7 +152,7 @@ class SessionStream:
         if not isinstance(exc, RuntimeServiceError):
             log.exception("unexpected error opening a shard session", exc_info=exc)
         await self.context.write(error_frame(exc, 0, session_closed=True))
-        await self.context.abort(grpc_status_of(code_of(exc)), f"{code_of(exc).name}: {exc}")
+        await self.context.abort(shard_status_of(shard_code_of(exc)), f"{shard_code_of(exc).name}: {exc}")
 
     def submit(self, frame: pb.ShardRequestFrame) -> asyncio.Future:
         """Admit a chunk or decode frame of a Batch request (the servicer checked the kind); the
