@@ -2,7 +2,7 @@
 
 The blocks of a batch go through the route together: one Batch message per hop carries every
 session's block (`ShardPipeline.forward_many`), and each worker computes them in one forward
-(`worker/step_batcher.py`); a lone block, or a session being restored, takes its own stream.
+(`runtime/batch_queue.py`); a lone block, or a session being restored, takes its own stream.
 A route session is replayed from the session's token log when the route fails: when a call
 fails (a worker died, a stream broke), the executor waits for the route to answer again, opens the session at a newer
 route epoch, replays the log up to its position (exact: chunking does not change the
