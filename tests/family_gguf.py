@@ -48,18 +48,20 @@ def random_k_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator) -
     return blocks.reshape(rows, -1)
 
 
-def write_family_gguf(name: str, path: Path, types: dict[str, str] | None = None, seed: int = 0) -> dict[str, np.ndarray]:
+def write_family_gguf(name: str, path: Path, types: dict[str, str] | None = None, seed: int = 0,
+                      layers: int = 2) -> dict[str, np.ndarray]:
     """Write family `name`'s tiny model (intermediate 256, so down projections can be K-quants) to `path`.
 
     Args:
         types: mlx-lm linear weight name -> ggml type name (others: F32).
+        layers: its number of blocks.
     Returns:
         mlx-lm parameter name -> the fp32 weight a loader must produce (gguf-py's dequantization).
     """
     import gguf
 
     types = types or {}
-    cfg = {**TINY_ARGS, **FAMILY_CONFIGS[name], "intermediate_size": 256}
+    cfg = {**TINY_ARGS, **FAMILY_CONFIGS[name], "intermediate_size": 256, "num_hidden_layers": layers}
     overrides = {k: v for k, v in cfg.items() if k not in TINY_ARGS or TINY_ARGS[k] != v}
     model = random_model(seed, random_norms=True, **overrides).model
     family = family_of(cfg["model_type"])
@@ -78,7 +80,7 @@ def write_family_gguf(name: str, path: Path, types: dict[str, str] | None = None
     w.add_rope_freq_base(float(cfg["rope_theta"]))
     if "sliding_window" in cfg:
         w.add_sliding_window(cfg["sliding_window"])
-        w.add_sliding_window_pattern([(i + 1) % cfg["sliding_window_pattern"] != 0 for i in range(2)])
+        w.add_sliding_window_pattern([(i + 1) % cfg["sliding_window_pattern"] != 0 for i in range(layers)])
     vocab = cfg["vocab_size"]
     w.add_tokenizer_model("gpt2")
     w.add_token_list(["a", "b", "ab"] + [f"t{i}" for i in range(3, vocab)])

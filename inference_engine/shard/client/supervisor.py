@@ -41,7 +41,7 @@ class WorkerFlags:
     """What every spawned worker is started with (mirrors the server's own limits)."""
 
     host: str  # address the workers bind (the server uses loopback: they are its own children)
-    model: str  # packaged model name or mlx-lm folder (the server's)
+    model: str  # packaged model name, mlx-lm folder or .gguf file (the server's)
     block: int  # rows per chunk: the server's probed tile (same machine, same BLAS)
     max_sessions: int  # route sessions per worker
     max_sink: int  # largest sink

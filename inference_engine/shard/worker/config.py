@@ -24,7 +24,7 @@ class ShardWorkerConfig:
     layers: LayerRange  # blocks [start, end) this worker runs
     host: str = "127.0.0.1"  # address to bind
     port: int = 50061  # 0 picks a free port
-    model: str = DEFAULT_MODEL  # packaged model name or mlx-lm folder
+    model: str = DEFAULT_MODEL  # packaged model name, mlx-lm folder or .gguf file
     weights: str = "q4_1"  # q4_1 (the GGUF's blocks, exact q4 kernel) or fp32: bitwise the same activations
     cache_dir: Path = field(default_factory=default_cache_dir)  # converted-model cache
     block: int = 0  # rows per forward chunk; 0 = probe the exact tile at start-up
@@ -46,7 +46,7 @@ def add_worker_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default=d.host, help="address to bind")
     parser.add_argument("--port", type=int, default=d.port, help="port to bind, 0..65535; 0 = pick a free port")
     parser.add_argument("--model", default=d.model,
-                        help="packaged model name (`python -m inference_engine models`) or an mlx-lm folder")
+                        help="packaged model name (`python -m inference_engine models`), mlx-lm folder or .gguf file")
     add_weights_flag(parser, d.weights)
     parser.add_argument("--block", type=int, default=d.block, help="rows per chunk; 0 = probe the exact tile")
     parser.add_argument("--max-tile", type=int, default=d.max_tile, help="largest block size the probe tries")

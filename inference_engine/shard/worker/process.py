@@ -17,7 +17,7 @@ from inference_engine.model.packaged import resolve_model_path
 from inference_engine.process_exit import wait_for_stop_signal
 from inference_engine.readiness import announce
 from inference_engine.served_model import (
-    load_q4_1_model, q4_1_unavailable, release_start_up_memory, use_native_kernels,
+    is_gguf_file, load_q4_1_model, load_served_model, q4_1_unavailable, release_start_up_memory, use_native_kernels,
 )
 from inference_engine.shard.worker.config import ShardWorkerConfig, worker_config_from_args
 from inference_engine.shard.worker.engine import ShardEngine
@@ -36,7 +36,10 @@ def build_engine(cfg: ShardWorkerConfig) -> ShardEngine:
     path = resolve_model_path(cfg.model, cfg.cache_dir)
     source: object = path  # fp32: the folder, of which only this worker's layers are read
     weights = "fp32"
-    if cfg.weights == "q4_1":
+    if is_gguf_file(path):  # the server's own loader, so every hop computes with the weights one process would
+        served = load_served_model(cfg.model, cfg.weights, cfg.cache_dir)
+        source, weights = served.loaded.model, served.weights
+    elif cfg.weights == "q4_1":
         why_not = q4_1_unavailable(cfg.model, cfg.cache_dir)
         if why_not:
             log.warning("DEGRADED: serving fp32 weights, not q4_1 (same bits, slower): %s", why_not)
