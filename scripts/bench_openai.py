@@ -3,7 +3,10 @@
 
 Same machine, same run: our `serve --http-port` (its defaults: q4_1 weights, the exact tile)
 and, where available, mlx-lm's `mlx_lm server` on the packaged fp32 folder (OpenBLAS preloaded,
-as our server runs) and llama-cpp-python's server on the GGUF. Per engine:
+as our server runs) and llama-cpp-python's server (`python -m llama_cpp.server`, run by the
+interpreter `--llama-cpp-python` names: a virtualenv of its own, requirements-bench.txt) on the
+packaged Q4_1 GGUF our q4_1 weights are. An arm that cannot run is recorded with the reason.
+Per engine:
 
 - chat TTFT: one 8-turn conversation, each request sending the whole history (stateless, as
   every OpenAI client does), streamed, greedy, `max_tokens` 32: time from sending a turn to its
@@ -15,7 +18,8 @@ as our server runs) and llama-cpp-python's server on the GGUF. Per engine:
 - seeded copies: a seeded sampled request alone, then 8 concurrent copies beside 4 other
   requests; how many copies equal the solo completion.
 
-Usage: scripts/bench_openai.py [--out FILE] [--no-peers]. Writes results/openai/<date>-<host>.json.
+Usage: scripts/bench_openai.py [--out FILE] [--no-peers] [--llama-cpp-python PEER_VENV/bin/python].
+Writes results/openai/<date>-<host>.json, with each peer's ratios to ours under "ratios".
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import sys
 import time
 from datetime import date
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import httpx
 import openai
@@ -89,6 +93,32 @@ def start_mlx_lm(model_dir: Path, log: Path) -> tuple[subprocess.Popen, str]:
                             start_new_session=True)
     _wait_http(f"http://127.0.0.1:{port}/health", proc)  # its /v1/models scans a Hugging Face cache
     return proc, f"http://127.0.0.1:{port}/v1"
+
+
+def start_llama_cpp(python: Path, gguf: Path, log: Path) -> tuple[subprocess.Popen, str]:
+    """llama-cpp-python's OpenAI server on `gguf`, run by `python` (the peer's virtualenv), on every core."""
+    port = _free_port()
+    threads = str(os.cpu_count() or 1)  # its default is half the cores; ours and mlx-lm's use them all
+    proc = subprocess.Popen([str(python), "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
+                             "--port", str(port), "--n_threads", threads, "--n_threads_batch", threads,
+                             "--n_ctx", "2048"],
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=log.open("w"), start_new_session=True)
+    _wait_http(f"http://127.0.0.1:{port}/v1/models", proc)
+    return proc, f"http://127.0.0.1:{port}/v1"
+
+
+def llama_cpp_unavailable(python: Path | None) -> str:
+    """Why the llama.cpp arm cannot run with this interpreter ("" when it can)."""
+    if python is None:
+        return ("unavailable: no --llama-cpp-python given (the interpreter of a virtualenv with "
+                "llama-cpp-python[server]==0.3.36, requirements-bench.txt; it compiles llama.cpp from source)")
+    if not python.is_file():
+        return f"unavailable: --llama-cpp-python {python} does not exist"
+    done = subprocess.run([str(python), "-c", "import llama_cpp, llama_cpp.server; print(llama_cpp.__version__)"],
+                          capture_output=True, text=True, timeout=120)
+    if done.returncode != 0:
+        return f"unavailable: {python} cannot import llama_cpp.server: {done.stderr.strip()[-300:]}"
+    return ""
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -181,10 +211,50 @@ def measure(base_url: str, model: str | None = None, reps: int = 3, timeout_s: f
             "seeded": seeded_copies(client, model)}
 
 
+def measure_peer(start: Callable[[], tuple[subprocess.Popen, str]], model: str | None = None) -> dict[str, Any] | str:
+    """Start a peer's server, measure it, stop it; why it is unavailable if it cannot run (not fatal)."""
+    try:
+        proc, url = start()
+        try:
+            return measure(url, model=model)
+        finally:
+            _stop(proc)
+    except Exception as exc:  # noqa: BLE001 - a peer that cannot run is reported, not fatal
+        return f"unavailable: {type(exc).__name__}: {exc}"
+
+
+def ratios_and_goals(engines: dict[str, Any]) -> tuple[dict[str, Any], dict[str, bool]]:
+    """Ours over each measured peer (TTFT: ours / theirs, lower is better; tok/s: ours / theirs), and the goals."""
+    ours = engines["ours"]
+    goals = {"turn8_le_1.5x_turn1": ours["chat"]["turn8_ms"] <= 1.5 * ours["chat"]["turn1_ms"],
+             "seeded_8_of_8": ours["seeded"]["equal_to_solo"] == 8}
+    ratios: dict[str, Any] = {}
+    peers = {name: e for name, e in engines.items() if name != "ours" and isinstance(e, dict)}
+    for name, peer in peers.items():
+        ratios[name] = {
+            "ttft_turn1_ours_over_peer": round(ours["chat"]["turn1_ms"] / peer["chat"]["turn1_ms"], 2),
+            "ttft_turn8_ours_over_peer": round(ours["chat"]["turn8_ms"] / peer["chat"]["turn8_ms"], 2),
+            "one_client_ours_over_peer": round(ours["throughput"]["one_client_tok_s"]
+                                               / peer["throughput"]["one_client_tok_s"], 2),
+            "eight_clients_ours_over_peer": round(ours["throughput"]["eight_clients_tok_s"]
+                                                  / peer["throughput"]["eight_clients_tok_s"], 2),
+        }
+    if "mlx_lm" in ratios:
+        goals["turn8_le_0.5x_mlx_lm"] = ratios["mlx_lm"]["ttft_turn8_ours_over_peer"] <= 0.5
+    if "llama_cpp" in ratios:
+        goals["turn8_le_1.0x_llama_cpp"] = ratios["llama_cpp"]["ttft_turn8_ours_over_peer"] <= 1.0
+    if peers:
+        best = max(peers, key=lambda n: peers[n]["throughput"]["eight_clients_tok_s"])
+        goals[f"eight_clients_ge_2.5x_best_peer_{best}"] = ratios[best]["eight_clients_ours_over_peer"] >= 2.5
+    return ratios, goals
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--no-peers", action="store_true")
+    parser.add_argument("--llama-cpp-python", type=Path, default=None,
+                        help="python of a virtualenv with llama-cpp-python[server] (requirements-bench.txt)")
     args = parser.parse_args()
     out = args.out or REPO / "results" / "openai" / f"{date.today()}-{platform.node()}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -201,36 +271,18 @@ def main() -> int:
     finally:
         _stop(proc)
     if args.no_peers:
-        report["engines"]["mlx_lm"] = "unavailable: --no-peers"
+        report["engines"]["mlx_lm"] = report["engines"]["llama_cpp"] = "unavailable: --no-peers"
     else:
         from inference_engine.config import default_cache_dir
-        from inference_engine.model.packaged import ensure_packaged_model
+        from inference_engine.model.packaged import ensure_packaged_model, packaged_gguf_path
 
-        try:
-            proc, url = start_mlx_lm(ensure_packaged_model(default_cache_dir()), logs / "mlx_lm.log")
-            try:
-                report["engines"]["mlx_lm"] = measure(url, model="default_model")
-            finally:
-                _stop(proc)
-        except Exception as exc:  # noqa: BLE001 - a peer that cannot run is reported, not fatal
-            report["engines"]["mlx_lm"] = f"unavailable: {type(exc).__name__}: {exc}"
-    try:
-        import llama_cpp.server  # noqa: F401
-        report["engines"]["llama_cpp"] = "unavailable: not measured by this script yet"
-    except ImportError:
-        report["engines"]["llama_cpp"] = ("unavailable: llama-cpp-python is not installed (requirements-bench.txt; "
-                                          "it compiles llama.cpp from source)")
+        report["engines"]["mlx_lm"] = measure_peer(
+            lambda: start_mlx_lm(ensure_packaged_model(default_cache_dir()), logs / "mlx_lm.log"), "default_model")
+        why_not = llama_cpp_unavailable(args.llama_cpp_python)
+        report["engines"]["llama_cpp"] = why_not or measure_peer(
+            lambda: start_llama_cpp(args.llama_cpp_python, packaged_gguf_path(), logs / "llama_cpp.log"))
     report["load_avg_end"] = os.getloadavg()
-    ours = report["engines"]["ours"]
-    peer = report["engines"]["mlx_lm"]
-    report["goals"] = {
-        "turn8_le_1.5x_turn1": ours["chat"]["turn8_ms"] <= 1.5 * ours["chat"]["turn1_ms"],
-        "seeded_8_of_8": ours["seeded"]["equal_to_solo"] == 8,
-    }
-    if isinstance(peer, dict):
-        report["goals"]["turn8_le_0.5x_mlx_lm"] = ours["chat"]["turn8_ms"] <= 0.5 * peer["chat"]["turn8_ms"]
-        report["goals"]["eight_clients_ge_2.5x_mlx_lm"] = (ours["throughput"]["eight_clients_tok_s"]
-                                                          >= 2.5 * peer["throughput"]["eight_clients_tok_s"])
+    report["ratios"], report["goals"] = ratios_and_goals(report["engines"])
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
     return 0

@@ -39,7 +39,16 @@ def _extra(name: str) -> dict[str, Requirement]:
     return {f"{canonicalize_name(r.name)} {r.marker}": r for r in reqs if canonicalize_name(r.name) != "inference-engine"}
 
 
-MODEL_EXTRAS = [name for name in PROJECT["optional-dependencies"] if name not in ("server", "dev")]  # model wheels
+MODEL_EXTRAS = [name for name in PROJECT["optional-dependencies"] if name not in ("server", "dev", "bench")]  # wheels
+
+
+def test_the_bench_extra_pins_what_requirements_bench_txt_pins_and_ci_never_installs_it():
+    bench = [Requirement(line.split("#")[0].strip()) for line in (REPO / "requirements-bench.txt").read_text()
+             .splitlines() if line.split("#")[0].strip()]
+    assert sorted(map(str, bench)) == sorted(map(str, _extra("bench").values())) and bench
+    assert all(str(r.specifier).startswith("==") for r in bench)
+    ci = {canonicalize_name(r.name) for r in _requirements_txt().values()}
+    assert not {canonicalize_name(r.name) for r in bench} & ci, "CI installs requirements.txt: it must not build the peer"
 
 
 def test_extras_pin_exactly_what_requirements_txt_pins():

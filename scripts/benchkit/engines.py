@@ -331,7 +331,8 @@ def start_mlx_lm(plan: Plan, prompts: Prompts, model_dir: Path) -> Contender:
 # A llama-cpp-python built with -march=native crashed (SIGSEGV in llama_decode) on Xeon CPUs with AMX in
 # these VMs; built with GGML_NATIVE=OFF and explicit x86 flags it runs (requirements-bench.txt, docs/performance.md).
 PORTABLE_BUILD = ('CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON '
-                  '-DGGML_AVX512=ON" pip install --no-binary llama-cpp-python -r requirements-bench.txt')
+                  '-DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX_VNNI=ON" '
+                  'pip install --no-binary llama-cpp-python -r requirements-bench.txt')
 # Loads the GGUF, prefills and decodes a few tokens: what the bench then does in its own process.
 LLAMA_PROBE = """
 import sys, llama_cpp
