@@ -1,9 +1,15 @@
-"""Fast BLAS for MLX on Linux: find Debian's OpenBLAS, preload it, and report what is active.
+"""The exact-gemm library's build, and OpenBLAS for MLX's own matmuls where the exact kernels are missing.
 
-MLX's Linux CPU wheel links a slow reference BLAS; interposing OpenBLAS through
-LD_PRELOAD (set before MLX loads) makes matmuls ~40x faster. In front of it goes a
-cblas_sgemm kernel compiled once with the system C compiler into the cache folder,
-chosen by INFERENCE_ENGINE_KERNEL (read here only):
+Every exact product is computed by the exact kernels' MLX primitives (quant_kernel.py), which
+dlopen the exact-gemm library built here (native/exact_gemm.c): no LD_PRELOAD is needed, and the
+launcher does not re-exec where they are built (measured: results/preload_bench.json; with them
+bound no product goes through MLX's matmul, so a preloaded OpenBLAS changes neither speed nor bits).
+
+Where they cannot be built (no C++ compiler), blocks run as MLX ops on MLX's own matmul, and the
+Linux CPU wheel links a slow reference BLAS: the launcher then re-execs once with OpenBLAS
+preloaded through LD_PRELOAD (~40x faster matmuls), INFERENCE_ENGINE_OPENBLAS=1 forces that
+re-exec anyway (benchmarks). In front of OpenBLAS goes a cblas_sgemm kernel compiled once with the
+system C compiler into the cache folder, chosen by INFERENCE_ENGINE_KERNEL (read here only):
 - exact_gemm (default, native/exact_gemm.c): calls of at most 64 rows computed by a
   kernel whose rows are bitwise independent of their block by construction, each weight
   read once per call;
@@ -30,6 +36,7 @@ OPENBLAS_CANDIDATES = (
     "/usr/lib64/libopenblas.so.0",
 )
 _REEXEC_MARK = "INFERENCE_ENGINE_BLAS_REEXEC"
+FORCE_ENV = "INFERENCE_ENGINE_OPENBLAS"  # "1": re-exec with OpenBLAS even where the exact kernels are built
 _NATIVE = Path(__file__).resolve().parent / "native"
 KERNEL_ENV = "INFERENCE_ENGINE_KERNEL"  # which cblas_sgemm goes in front of OpenBLAS (read here only)
 DEFAULT_KERNEL = "exact_gemm"
@@ -146,12 +153,20 @@ def reexec_with_openblas(argv: list[str], base_env: dict[str, str] | None = None
         base_env: its environment before LD_PRELOAD is added (default os.environ).
 
     Returns normally (no re-exec) on non-Linux systems, when OpenBLAS is already preloaded,
-    when no OpenBLAS is installed, or when INFERENCE_ENGINE_NO_OPENBLAS=1.
+    when no OpenBLAS is installed, when INFERENCE_ENGINE_NO_OPENBLAS=1, or when the exact kernels
+    are built (they compute every product; building them here on first use) unless
+    INFERENCE_ENGINE_OPENBLAS=1.
+
+    Raises:
+        ValueError: INFERENCE_ENGINE_KERNEL names no known kernel.
     """
     if not sys.platform.startswith("linux") or os.environ.get("INFERENCE_ENGINE_NO_OPENBLAS") == "1":
         return
     preload = os.environ.get("LD_PRELOAD", "")
     if "openblas" in preload or os.environ.get(_REEXEC_MARK):
+        return
+    selected_kernel()  # an unknown INFERENCE_ENGINE_KERNEL is an error either way
+    if os.environ.get(FORCE_ENV) != "1" and exact_kernels_built():
         return
     libs = preload_libraries()
     if not libs:
@@ -159,6 +174,13 @@ def reexec_with_openblas(argv: list[str], base_env: dict[str, str] | None = None
     env = dict(os.environ if base_env is None else base_env, **{_REEXEC_MARK: "1"})
     env["LD_PRELOAD"] = ":".join([*libs, preload] if preload else libs)
     os.execve(sys.executable, [sys.executable, *argv], env)
+
+
+def exact_kernels_built() -> bool:
+    """The exact kernels (library and MLX extension) are built, or build now: no preload is needed."""
+    from inference_engine.quant_kernel import KERNEL, extension_path  # it imports this module
+
+    return isinstance(build_kernel(KERNEL), Path) and isinstance(extension_path(), Path)
 
 
 def active_blas() -> str:
@@ -180,23 +202,6 @@ def active_blas() -> str:
         return f"reference: {', '.join(others) or 'MLX bundled'}"
     front = next(filter(None, map(_preloaded_version, INTERPOSERS.values())), "")
     return f"openblas: {openblas[0]}" + (f" + {front}" if front else "")
-
-
-def not_preloaded_reason() -> str:
-    """Why the launcher preloaded no kernel in this process (call where the selected kernel builds)."""
-    if os.environ.get("INFERENCE_ENGINE_NO_OPENBLAS") == "1":
-        return "INFERENCE_ENGINE_NO_OPENBLAS=1 (unset it)"
-    if find_openblas() is None:
-        return ("Debian's OpenBLAS is not installed (apt-get install libopenblas0-pthread); the kernel is "
-                "preloaded in front of it")
-    if not os.environ.get(_REEXEC_MARK):
-        return "the process was not started by the launcher (`inference-engine serve` or `python -m inference_engine`)"
-    return f"LD_PRELOAD={os.environ.get('LD_PRELOAD', '')!r} was set before the launcher ran (unset it)"
-
-
-def is_preloaded(kernel: str) -> bool:
-    """The interposer `kernel` is preloaded in this process (its symbols are in the global scope)."""
-    return kernel in INTERPOSERS and _preloaded_version(INTERPOSERS[kernel]) is not None
 
 
 def _preloaded_version(spec: Interposer) -> str | None:

@@ -1,20 +1,22 @@
-"""The q4_1 kernel: an MLX extension whose primitive reads GGUF Q4_1/Q8_0 blocks (Linux launcher only).
+"""The exact kernels: an MLX extension whose primitives compute every exact product (Linux, macOS).
 
-`native/exact_quant.cpp` defines an MLX primitive (`qmatmul(x, blocks, fmt)` = x @ W.T with
-W in GGUF blocks) whose CPU implementation calls `exact_qgemm` of the exact-gemm library
-(`native/exact_gemm.c`): the same shared object, dot-product code and thread pool as the fp32
-`cblas_sgemm` the launcher preloads, so a quantized product is bitwise the fp32 product of the
-dequantized weights. The extension is compiled once with the system C++ compiler against the
+`native/exact_quant.cpp` defines MLX primitives whose CPU implementations call the exact-gemm
+library (`native/exact_gemm.c`): `matmul(x, w)` = x @ W.T for fp32 W (`exact_sgemm_nt`,
+`native/exact_matmul.cpp`) and `qmatmul(x, blocks, fmt)` for W in GGUF blocks (`exact_qgemm`),
+one dot-product code and one thread pool, so a quantized product is bitwise the fp32 product
+of the dequantized weights. The library is dlopen()ed by path: no LD_PRELOAD and no re-exec
+(the launcher's OpenBLAS preload, `blas.py`, only speeds up MLX's own, non-exact matmuls).
+
+Built once with the system compilers (gcc or clang on Linux, Apple clang on macOS) against the
 mlx wheel's headers and nanobind (a pinned PyPI package) into `<cache>/native/`, named by the
-hash of everything that goes into it, like the sgemm interposers (`blas.py`).
-
-q4_1 is offered only where its fp32 twin is what the fp32 path computes: Linux, the exact-gemm
-kernel selected and preloaded in this process. Everywhere else `load_quant_kernel` says why
-not, and the caller serves fp32.
+hash of everything that goes into it. The macOS branch (`_platform_flags`: -undefined
+dynamic_lookup for Python's symbols, no OpenMP anywhere) is written but has not been built on a
+Mac. Where it cannot be built `load_quant_kernel` says why, and the process computes with MLX ops.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import importlib.machinery
 import importlib.util
@@ -30,13 +32,14 @@ from pathlib import Path
 from types import ModuleType
 from typing import Callable
 
-from inference_engine.blas import INTERPOSERS, build_kernel, is_preloaded, not_preloaded_reason, selected_kernel
+from inference_engine.blas import INTERPOSERS, build_kernel
 from inference_engine.model import native_kernels
 
 log = logging.getLogger(__name__)
 _NATIVE = Path(__file__).resolve().parent / "native"
 MODULE = "_exact_quant"  # the extension's import name (NB_MODULE)
-KERNEL = "exact_gemm"  # the interposer whose exact_qgemm the extension calls
+KERNEL = "exact_gemm"  # the library whose exact_sgemm_nt / exact_qgemm the extension calls
+PLATFORMS = ("linux", "darwin")  # where the extension is built (darwin: written, not yet built on a Mac)
 CXX_FLAGS = ("-std=c++20", "-O2", "-fPIC", "-fvisibility=hidden", "-ffp-contract=off")  # no FMA: the native blocks
 
 
@@ -45,7 +48,9 @@ class QuantKernel:
     """The loaded extension, bound to the exact-gemm library."""
 
     qmatmul: Callable  # (x float32 (..., K), blocks uint8 (N, bytes), fmt) -> float32 (..., N)
+    matmul: Callable  # (x float32 (..., K), w float32 (N, K)) -> float32 (..., N): the fp32 exact product
     library: str  # path of the exact-gemm library it computes with
+    version: str  # the library's exact_gemm_version, e.g. "exact-gemm kernel 3 (max rows 64, ...)"
     extension: str  # path of the compiled extension
 
 
@@ -82,7 +87,8 @@ def extension_path(cache_dir: Path | None = None) -> Path | str:
         from inference_engine.config import default_cache_dir
 
         cache_dir = default_cache_dir()
-    sources = [_NATIVE / "exact_quant.cpp", _NATIVE / "exact_attention.cpp", _NATIVE / "exact_layer.cpp"]
+    sources = [_NATIVE / "exact_quant.cpp", _NATIVE / "exact_attention.cpp", _NATIVE / "exact_layer.cpp",
+               _NATIVE / "exact_matmul.cpp"]
     missing = [f.name for f in sources if not f.is_file()]
     if missing:
         return f"{', '.join(missing)} missing from {_NATIVE} (an incomplete install: reinstall inference_engine)"
@@ -111,7 +117,7 @@ def extension_path(cache_dir: Path | None = None) -> Path | str:
     ]
     objects = [work / f"{src.stem}.o" for src in sources]
     link = [cxx, "-shared", "-o", str(work / target.name), *map(str, objects), str(work / "nb.o"),
-            f"-L{mlx_dir / 'lib'}", "-lmlx", f"-Wl,-rpath,{mlx_dir / 'lib'}"]
+            f"-L{mlx_dir / 'lib'}", "-lmlx", f"-Wl,-rpath,{mlx_dir / 'lib'}", *_platform_flags(sys.platform)]
     with ThreadPoolExecutor(2) as pool:
         results = list(pool.map(lambda cmd: subprocess.run(cmd, capture_output=True, text=True), compiles))
     if all(r.returncode == 0 for r in results):
@@ -144,26 +150,24 @@ _MODULES: dict[str, ModuleType] = {}
 _LOADED: dict[str, QuantKernel] = {}  # one binding per process: the extension module is process-global
 
 
-def load_quant_kernel(cache_dir: Path | None = None) -> QuantKernel | str:
-    """The q4_1 kernel bound to this process's exact-gemm library, or why q4_1 cannot be served here.
+def _platform_flags(platform: str) -> list[str]:
+    """Link flags of the extension on `platform`: macOS resolves Python's symbols when the module is
+    imported (an extension links no libpython); Linux's linker allows undefined symbols in a shared
+    object already. Neither needs OpenMP: the library's pool is plain pthreads."""
+    return ["-undefined", "dynamic_lookup"] if platform == "darwin" else []
 
-    Returns a reason (str) when: not Linux; another kernel than exact-gemm is selected, or it is
-    not preloaded (then this process's fp32 products are not the ones q4_1 reproduces); the
-    library or the extension cannot be built.
+
+def load_quant_kernel(cache_dir: Path | None = None) -> QuantKernel | str:
+    """The extension bound to the exact-gemm library, or why the exact kernels cannot compute here.
+
+    The library is loaded by path (dlopen), preloaded or not. Returns a reason (str) when the
+    platform is not one of PLATFORMS, or the library or the extension cannot be built.
     """
-    if not sys.platform.startswith("linux"):
-        return f"the q4_1 kernel runs behind the Linux launcher's exact-gemm kernel; this is {sys.platform}"
-    try:
-        kernel = selected_kernel()
-    except ValueError as exc:
-        return str(exc)
-    if kernel != KERNEL:
-        return f"INFERENCE_ENGINE_KERNEL={kernel}: q4_1 reproduces the exact-gemm kernel's fp32 products"
+    if not sys.platform.startswith(PLATFORMS):
+        return f"the exact kernels are built for Linux and macOS; this is {sys.platform}"
     built = build_kernel(KERNEL, cache_dir)
-    if not isinstance(built, Path):  # the launcher could not preload it either: this is the real cause
+    if not isinstance(built, Path):
         return f"the {INTERPOSERS[KERNEL].label} cannot be built: {built}"
-    if not is_preloaded(KERNEL):
-        return f"the {INTERPOSERS[KERNEL].label} is not preloaded in this process: {not_preloaded_reason()}"
     library = str(built)
     if library in _LOADED:
         return _LOADED[library]
@@ -172,15 +176,22 @@ def load_quant_kernel(cache_dir: Path | None = None) -> QuantKernel | str:
         return path
     module = _import(path)
     module.bind_kernel(library)
-    _LOADED[library] = QuantKernel(module.qmatmul, library, str(path))
+    symbol = ctypes.c_char.in_dll(ctypes.CDLL(library), INTERPOSERS[KERNEL].version_symbol)  # the same copy
+    version = ctypes.string_at(ctypes.addressof(symbol)).decode()
+    _LOADED[library] = QuantKernel(module.qmatmul, module.matmul, library, version, str(path))
     return _LOADED[library]
+
+
+def loaded_kernel() -> QuantKernel | None:
+    """The kernel this process loaded, if any (one per process)."""
+    return next(iter(_LOADED.values()), None)
 
 
 def enable_native_kernels(cache_dir: Path | None = None) -> str:
     """Bind the native kernels (model/native_kernels.py) in this process where MLX computes on
-    the CPU under Linux and the extension builds; returns why not ("" when bound). The whole-block
-    kernel comes with them where the q4_1 kernel loads (the exact-gemm library is this process's
-    BLAS), attention alone elsewhere.
+    the CPU (Linux, or macOS after `use_cpu_stream`) and the extension builds; returns why not
+    ("" when bound). The whole block and the fp32 product primitive come with them where the
+    exact-gemm library loads, attention alone elsewhere.
 
     Call before the first forward; every process of one deployment decides the same way.
     """
@@ -188,18 +199,18 @@ def enable_native_kernels(cache_dir: Path | None = None) -> str:
 
     if native_kernels.is_bound():
         return ""
-    if not sys.platform.startswith("linux"):
-        return f"the native attention kernel is built for Linux; this is {sys.platform}"
+    if not sys.platform.startswith(PLATFORMS):
+        return f"the native kernels are built for Linux and macOS; this is {sys.platform}"
     if mx.default_device() != mx.cpu:
-        return f"the native attention kernel runs on the CPU; MLX computes on {mx.default_device()}"
+        return f"the native kernels run on MLX's CPU stream; MLX computes on {mx.default_device()}"
     path = extension_path(cache_dir)
     if isinstance(path, str):
         return path
     try:
         module = _import(path)
         products = load_quant_kernel(cache_dir)  # binds the extension to the exact-gemm library
-        block = None if isinstance(products, str) else module.block
-        native_kernels.bind(native_kernels.NativeKernels(module.attend, block))
+        block, matmul = (None, None) if isinstance(products, str) else (module.block, products.matmul)
+        native_kernels.bind(native_kernels.NativeKernels(module.attend, block, matmul))
     except RuntimeError as exc:  # a forward already ran here with MLX ops: keep them
         return str(exc)
     return ""
@@ -208,5 +219,5 @@ def enable_native_kernels(cache_dir: Path | None = None) -> str:
 if __name__ == "__main__":  # `python -m inference_engine.quant_kernel`: build now (scripts/dev.sh setup)
     built = extension_path()
     if isinstance(built, str):
-        sys.exit(f"note: the q4_1 kernel extension is unavailable ({built}); servers will serve fp32")
+        sys.exit(f"note: the exact kernel extension is unavailable ({built}); servers will compute with MLX ops")
     print(built)

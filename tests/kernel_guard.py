@@ -1,20 +1,20 @@
 """Which arithmetic the test run computes with, and the guards that keep the batteries honest.
 
-On Linux the test run is the launcher's arrangement (scripts/run_tests.sh preloads OpenBLAS
-and the exact-gemm kernel): the native kernels must bind, attention and whole block, or every
+On Linux the native kernels must bind (attention, whole block and the fp32 product primitive,
+all computed by the exact-gemm library loaded by path: no LD_PRELOAD is needed), or every
 exactness battery would test the MLX-ops fallback (and a probe that shrank the tile would make
-every chunking run the same computation). Elsewhere blocks stay MLX ops and the run says so.
+every chunking run the same computation). Elsewhere blocks may stay MLX ops and the run says so.
 """
 
 from __future__ import annotations
 
 import sys
 
-from inference_engine.blas import is_preloaded
+from inference_engine.model import native_kernels
 from inference_engine.quant_kernel import enable_native_kernels, load_quant_kernel
 from inference_engine.runtime.engine import Engine
 
-RUN_TESTS = "bash scripts/run_tests.sh"  # how the tests are meant to be started (preloads the kernels)
+RUN_TESTS = "bash scripts/run_tests.sh"  # how the tests are meant to be started
 
 
 def bind_test_kernels(platform: str = sys.platform) -> tuple[str, str]:
@@ -33,12 +33,13 @@ def bind_test_kernels(platform: str = sys.platform) -> tuple[str, str]:
         return f"MLX ops ({reason})", ""
     path = "native attention, MLX-ops blocks" if not why_not else "MLX ops"
     return path, (f"the native kernels did not bind ({reason}); the exactness batteries would test the MLX-ops "
-                  f"path instead. Run the tests with `{RUN_TESTS}`, which preloads OpenBLAS and the exact-gemm kernel")
+                  f"path instead. Install a C and C++ compiler (apt-get install g++) and run `{RUN_TESTS}`")
 
 
 def is_kernel_bound() -> bool:
-    """The exact-gemm kernel computes this process's products (rows invariant up to 64 by construction)."""
-    return is_preloaded("exact_gemm")
+    """The exact-gemm kernel computes this process's products (its primitives; rows invariant by construction)."""
+    bound = native_kernels.bound()
+    return bound is not None and bound.matmul is not None
 
 
 def assert_full_tile(engine: Engine) -> Engine:

@@ -43,7 +43,7 @@ pytestmark = linux_openblas
 @pytest.fixture(scope="module")
 def kernel() -> quant_kernel.QuantKernel:
     found = load_quant_kernel()
-    assert not isinstance(found, str), found  # scripts/run_tests.sh preloads the exact-gemm kernel
+    assert not isinstance(found, str), found  # built with the system compilers, loaded by path
     return found
 
 
@@ -67,15 +67,15 @@ def test_qmatmul_is_the_fp32_matmul(kernel, fmt):
         x = mx.array(rng.standard_normal(shape).astype(np.float32))
         got = kernel.qmatmul(x, q, fmt)
         assert got.shape == (*shape[:-1], 203) and got.dtype == mx.float32
-        assert mx.array_equal(got, x @ w.T).item(), shape
+        assert mx.array_equal(got, kernel.matmul(x, w)).item(), shape  # the fp32 exact product
     xt = mx.array(rng.standard_normal((96, 6)).astype(np.float32)).T  # not row-contiguous: copied first
     x = mx.array(np.ascontiguousarray(xt))  # (MLX's own matmul would hand A^T to OpenBLAS)
-    assert mx.array_equal(kernel.qmatmul(xt, q, fmt), x @ w.T).item()
+    assert mx.array_equal(kernel.qmatmul(xt, q, fmt), kernel.matmul(x, w)).item()
     strided = mx.array(random_blocks(rng, fmt, 406, 96))[::2]  # every other row: strided blocks, packed first
     w2 = mx.array(dequantize_blocks(np.array(strided), fmt))
-    assert mx.array_equal(kernel.qmatmul(x, strided, fmt), x @ w2.T).item()
+    assert mx.array_equal(kernel.qmatmul(x, strided, fmt), kernel.matmul(x, w2)).item()
     compiled = mx.compile(lambda x, q: mx.maximum(kernel.qmatmul(x, q, fmt), 0.0))  # inside a compiled graph
-    assert mx.array_equal(compiled(x, q), mx.maximum(x @ w.T, 0.0)).item()
+    assert mx.array_equal(compiled(x, q), mx.maximum(kernel.matmul(x, w), 0.0)).item()
 
 
 def test_qmatmul_refuses_bad_arguments(kernel):
@@ -98,29 +98,51 @@ def test_the_kernel_is_loaded_once_per_library(kernel):
     assert "/native/exact_gemm-" in kernel.library
 
 
-def test_why_q4_1_is_unavailable(monkeypatch):
+def test_the_kernels_load_whatever_blas_is_preloaded(kernel, monkeypatch):
+    """No preload, no launcher, any INFERENCE_ENGINE_KERNEL: the library is dlopen()ed by path."""
     monkeypatch.setenv("INFERENCE_ENGINE_KERNEL", "row_gemv")
-    assert "q4_1 reproduces the exact-gemm kernel's fp32 products" in load_quant_kernel()
-    monkeypatch.setenv("INFERENCE_ENGINE_KERNEL", "fast")
-    assert "is not a kernel" in load_quant_kernel()
-    monkeypatch.delenv("INFERENCE_ENGINE_KERNEL")
-    monkeypatch.setattr(quant_kernel, "is_preloaded", lambda kernel: False)
-    monkeypatch.delenv("INFERENCE_ENGINE_BLAS_REEXEC", raising=False)  # as a process the launcher did not start
-    assert load_quant_kernel().endswith("is not preloaded in this process: the process was not started by the "
-                                        "launcher (`inference-engine serve` or `python -m inference_engine`)")
-    monkeypatch.setattr(blas, "find_openblas", lambda: None)
-    assert "Debian's OpenBLAS is not installed (apt-get install libopenblas0-pthread)" in load_quant_kernel()
-    monkeypatch.setenv("INFERENCE_ENGINE_NO_OPENBLAS", "1")
-    assert load_quant_kernel().endswith("INFERENCE_ENGINE_NO_OPENBLAS=1 (unset it)")
-    monkeypatch.setenv("INFERENCE_ENGINE_BLAS_REEXEC", "1")
-    monkeypatch.delenv("INFERENCE_ENGINE_NO_OPENBLAS")
-    monkeypatch.setattr(blas, "find_openblas", lambda: "/usr/lib/libopenblas.so.0")
-    assert "was set before the launcher ran" in load_quant_kernel()
-    # a kernel that cannot be built is the real cause, named before "not preloaded" (the launcher could not either)
+    monkeypatch.delenv("INFERENCE_ENGINE_BLAS_REEXEC", raising=False)
+    assert load_quant_kernel() is kernel
+    assert kernel.version.startswith("exact-gemm kernel 3 (")
+
+
+def test_why_the_exact_kernels_are_unavailable(monkeypatch):
     monkeypatch.setattr(quant_kernel, "build_kernel", lambda kernel, cache_dir=None: "no C compiler (cc)")
     assert load_quant_kernel() == "the exact-gemm kernel cannot be built: no C compiler (cc)"
-    monkeypatch.setattr(sys, "platform", "darwin")
-    assert "this is darwin" in load_quant_kernel()
+    monkeypatch.setattr(sys, "platform", "win32")
+    assert "built for Linux and macOS; this is win32" in load_quant_kernel()
+
+
+def test_the_link_flags_of_each_platform():
+    assert quant_kernel._platform_flags("darwin") == ["-undefined", "dynamic_lookup"]  # Python's symbols at import
+    assert quant_kernel._platform_flags("linux") == []
+
+
+def test_matmul_is_the_exact_gemm_product(kernel):
+    """The fp32 primitive: each row bitwise the row alone, at any row count, strided, batched or compiled."""
+    rng = np.random.default_rng(5)
+    w = mx.array(rng.standard_normal((203, 96)).astype(np.float32))
+    x = mx.array(rng.standard_normal((130, 96)).astype(np.float32))  # past 64 rows: still the kernel's own
+    alone = np.concatenate([np.array(kernel.matmul(x[i : i + 1], w)) for i in range(130)])
+    for m in (1, 2, 7, 12, 33, 64, 65, 130):
+        assert np.array_equal(np.array(kernel.matmul(x[:m], w)), alone[:m]), m
+    assert kernel.matmul(x[None, :5], w).shape == (1, 5, 203)
+    assert np.array_equal(np.array(kernel.matmul(x[None, :5], w)[0]), alone[:5])
+    xt = mx.array(np.ascontiguousarray(np.array(x[:6]).T)).T  # not row-contiguous: packed first
+    assert np.array_equal(np.array(kernel.matmul(xt, w)), alone[:6])
+    assert np.array_equal(np.array(kernel.matmul(x[:4], mx.concatenate([w, w])[::2])), np.array(kernel.matmul(
+        x[:4], mx.concatenate([w, w])[::2] + 0)))  # strided weights, packed first
+    compiled = mx.compile(lambda x, w: mx.maximum(kernel.matmul(x, w), 0.0))
+    assert np.array_equal(np.array(compiled(x[:3], w)), np.maximum(alone[:3], 0.0))
+    assert np.allclose(alone, np.array(x) @ np.array(w).T, rtol=1e-4, atol=1e-4)  # the product, not another
+
+
+def test_matmul_refuses_bad_arguments(kernel):
+    x, w = mx.zeros((2, 64)), mx.zeros((3, 64))
+    for args, message in [((x.astype(mx.float16), w), "must be float32"), ((x, w[None]), "must be float32"),
+                          ((x[:, :32], w), "x has 32 features but w has 64 columns")]:
+        with pytest.raises(ValueError, match=message):
+            kernel.matmul(*args)
 
 
 def test_mlx_headers_are_the_wheels_not_a_folder_named_mlx_here(tmp_path, monkeypatch):
@@ -213,7 +235,7 @@ def test_block_embedding_rows_in_both_formats(kernel):
         ids = mx.array([[3, 0, 49, 3]])
         assert mx.array_equal(embed(ids)[0], mx.array(dequantize_blocks(blocks, fmt))[ids[0]]).item()
         x = mx.array(rng.standard_normal((2, 64)).astype(np.float32))
-        assert mx.array_equal(embed.as_linear(x), x @ embed.dequantized().T).item()
+        assert mx.array_equal(embed.as_linear(x), kernel.matmul(x, embed.dequantized())).item()
     with pytest.raises(ValueError, match="not 64 dims of ggml type 8"):
         BlockEmbedding(mx.array(blocks[:, :40]), Q8_0, 64, kernel.qmatmul)
     with pytest.raises(ValueError, match="not 32 features of ggml type 2"):
@@ -290,8 +312,8 @@ def test_an_incomplete_install_is_named(tmp_path, monkeypatch):
     monkeypatch.setattr(quant_kernel, "_NATIVE", tmp_path)
     monkeypatch.setattr(blas, "_NATIVE", tmp_path)
     why = quant_kernel.extension_path(tmp_path / "cache")
-    assert why == (f"exact_quant.cpp, exact_attention.cpp, exact_layer.cpp missing from {tmp_path} (an incomplete "
-                   "install: reinstall inference_engine)")
+    assert why == (f"exact_quant.cpp, exact_attention.cpp, exact_layer.cpp, exact_matmul.cpp missing from {tmp_path} "
+                   "(an incomplete install: reinstall inference_engine)")
     assert blas.build_kernel("row_gemv", tmp_path / "cache") == (
         f"its source {tmp_path / 'row_gemv.c'} is missing from the installed package (reinstall inference_engine)")
     assert blas.build_kernel("openblas", tmp_path / "cache") is None

@@ -23,7 +23,7 @@ import mlx.nn as nn
 
 from inference_engine.model import native_kernels
 from inference_engine.model.families import Family, family_of_model
-from inference_engine.model.fused_block import fused_block
+from inference_engine.model.fused_block import fused_block, head_logits
 from inference_engine.model.kv_protocol import KVCache
 
 log = logging.getLogger(__name__)
@@ -98,10 +98,7 @@ def _lm_head(model: nn.Module, family: Family, h: mx.array) -> mx.array:
     if weight is None:  # the effective weight, once (a plain attribute, not a parameter)
         weight = model.__dict__["_head_norm"] = family.norm_weight(norm, bool(model.__dict__.get("_norms_effective")))
     h = mx.fast.rms_norm(h, weight, norm.eps)
-    if "lm_head" in model:
-        logits = model.lm_head(h)
-    else:  # tied: the embedding's rows (mlx-lm drops lm_head when tied)
-        logits = inner.embed_tokens.as_linear(h)
+    logits = head_logits(model, h)  # tied (mlx-lm drops lm_head): the embedding's rows
     cap = family.logit_softcap(model.args)
     return logits if cap is None else mx.tanh(logits / cap) * cap
 

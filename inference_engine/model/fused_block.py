@@ -27,6 +27,7 @@ import numpy as np
 
 from inference_engine.model.families import Family, family_of_model
 from inference_engine.model.gguf_blocks import BlockLinear, QMatmul
+from inference_engine.model import native_kernels
 from inference_engine.model.native_kernels import BlockPlan
 
 _QUANT_ARRAYS = ("weight", "scales", "biases")  # nn.QuantizedLinear's arrays, all (out, ...)
@@ -40,6 +41,7 @@ class LinearKind:
     has_biases: bool  # a quantized linear's affine `biases` array is present
     has_bias: bool  # an additive bias follows the matmul
     blocks: tuple[int, QMatmul] | None = None  # (ggml type, kernel) of a BlockLinear, else None
+    matmul: Callable[[mx.array, mx.array], mx.array] | None = None  # fp32: the exact product primitive, else None
 
     @property
     def n_arrays(self) -> int:
@@ -54,7 +56,8 @@ def linear_kind(module: nn.Module) -> LinearKind:
     if isinstance(module, BlockLinear):
         return LinearKind(None, False, False, (module.fmt, module.qmatmul))
     quant = (module.group_size, module.bits, module.mode) if isinstance(module, nn.QuantizedLinear) else None
-    return LinearKind(quant, quant is not None and "biases" in module, "bias" in module)
+    matmul = native_kernels.exact_matmul() if quant is None else None  # fp32: the process's exact product
+    return LinearKind(quant, quant is not None and "biases" in module, "bias" in module, matmul=matmul)
 
 
 def _array_names(module: nn.Module) -> tuple[str, ...]:
@@ -75,12 +78,29 @@ def apply_linear(kind: LinearKind, x: mx.array, arrays: tuple[mx.array, ...]) ->
     if kind.blocks is not None:
         fmt, qmatmul = kind.blocks
         return qmatmul(x, arrays[0], fmt)
+    if kind.matmul is not None:  # fp32 on the exact kernel: bias added after, as the native block does
+        y = kind.matmul(x, arrays[0])
+        return y + arrays[1] if kind.has_bias else y
     if kind.quant is None:
         return mx.addmm(arrays[1], x, arrays[0].T) if kind.has_bias else x @ arrays[0].T
     group_size, bits, mode = kind.quant
     y = mx.quantized_matmul(x, arrays[0], scales=arrays[1], biases=arrays[2] if kind.has_biases else None,
                             transpose=True, group_size=group_size, bits=bits, mode=mode)
     return y + arrays[-1] if kind.has_bias else y
+
+
+def head_logits(model: nn.Module, h: mx.array) -> mx.array:
+    """The LM head's product h @ E.T (tied embedding) or lm_head(h), fp32 weights on the exact kernel when bound.
+
+    Args:
+        h: (..., hidden) normed hidden states. Returns (..., vocab) logits before any soft-cap.
+    """
+    embed = model.model.embed_tokens
+    if "lm_head" in model:
+        head = model.lm_head
+        return apply_linear(linear_kind(head), h, linear_arrays(head)) if type(head) is nn.Linear else head(h)
+    matmul = native_kernels.exact_matmul() if type(embed) is nn.Embedding else None
+    return embed.as_linear(h) if matmul is None else matmul(h, embed.weight)
 
 
 def concat_linears(parts: list[nn.Module]) -> nn.Module:

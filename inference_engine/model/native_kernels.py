@@ -6,15 +6,18 @@ step's cost beyond the products is mostly building and dispatching those nodes. 
 kernels (the q4_1 extension, `quant_kernel.py`) make that one node per block:
 - `attend` (`native/exact_attention.cpp`): every session's K/V writes and attention rows;
   the norms, RoPE and products stay MLX ops. Needs nothing but the extension.
-- `block` (`native/exact_layer.cpp`): the whole block, its products through this process's
-  exact-gemm library (fp32 rows) or `exact_qgemm` (GGUF blocks). Only where that library is
-  the process's BLAS (the Linux launcher), so its products are the ones MLX would compute.
+- `block` (`native/exact_layer.cpp`): the whole block, its products through the exact-gemm
+  library (`exact_sgemm_nt` for fp32 rows, `exact_qgemm` for GGUF blocks);
+- `matmul` (`native/exact_matmul.cpp`): x @ W.T for fp32 W by the same kernel, for every fp32
+  product outside the block (the LM head, linears the block does not compute, the probe), so
+  no exact product goes through MLX's matmul and whatever BLAS it resolves (no LD_PRELOAD).
+  `block` and `matmul` come together, where the library loads.
 A row's bits depend on its position and its session's tokens only (the files say why).
 
 The arithmetic differs from MLX ops' (other summation orders), so the choice is per process
 and made once, before the first forward: the launcher's processes (servers, shard workers,
 the test run) bind the kernels at start (`quant_kernel.enable_native_kernels`); elsewhere
-(macOS, a process not started through the launcher) blocks stay MLX ops. Binding after a
+(Metal, no compiler) blocks stay MLX ops. Binding after a
 forward has run is refused, so one process never mixes the two.
 """
 
@@ -34,6 +37,8 @@ class NativeKernels:
 
     attend: Callable[..., mx.array]  # (q, k, v, storage, starts, rows, sinks, windows, rings) -> attention rows
     block: Callable[..., mx.array] | None  # (h, weights, storage, ints, floats, starts, ...) -> h'; None: MLX pieces
+    matmul: Callable[[mx.array, mx.array], mx.array] | None = None  # (x (..., K), w (N, K)) -> x @ w.T by the
+    # exact-gemm kernel: every fp32 product of the model (linears, LM head); None: MLX's matmul
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,17 @@ def bind(kernels: NativeKernels) -> None:
 def is_bound() -> bool:
     """Native kernels compute this process's blocks."""
     return _bound is not None
+
+
+def bound() -> NativeKernels | None:
+    """The bound kernels, without fixing the choice (for reports)."""
+    return _bound
+
+
+def exact_matmul() -> Callable[[mx.array, mx.array], mx.array] | None:
+    """The bound fp32 product primitive (None: MLX's matmul); fixes the choice for this process, like `active`."""
+    kernels = active()
+    return None if kernels is None else kernels.matmul
 
 
 def active() -> NativeKernels | None:

@@ -657,6 +657,20 @@ void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float
     real_sgemm(order, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
 
+/* C (m x n, row stride ldc) = A (m x k, row stride lda) . B^T, B given as n fp32 rows of k, ldb
+ * apart, for any m: the B-transposed case of cblas_sgemm above, never forwarded to another BLAS
+ * (the MLX extension's fp32 entry, native/exact_matmul.cpp: exact products need no LD_PRELOAD).
+ * Returns 0, or -1 (nothing written) when a stride is too small. */
+int exact_sgemm_nt(int m, int n, int k, const float *a, long lda, const float *b, long ldb, float *c, long ldc) {
+    if (k < 0 || lda < k || ldb < k || ldc < n)
+        return -1;
+    if (m <= 0 || n <= 0)
+        return 0;
+    struct job j = {1, m, n, k, 1.0f, 0.0f, a, b, c, (size_t)lda, (size_t)ldb, (size_t)ldc};
+    run(&j);
+    return 0;
+}
+
 /* C (m x n, row stride ldc) = A (m x k, row stride lda) . W^T, W given as n rows of k / 32
  * GGUF blocks of type `fmt` (GGML_Q4_1 or GGML_Q8_0), ldq bytes apart: bitwise the fp32
  * cblas_sgemm above on the dequantized W, for any m (the MLX extension's entry).

@@ -4,13 +4,14 @@
 // inside MLX's lazy graph, under mx.compile, evaluated on MLX's CPU stream like any matmul,
 // with no copy of the fp32 weights anywhere. The arithmetic itself is not here: eval_cpu
 // calls `exact_qgemm` of the exact-gemm library (native/exact_gemm.c), the same shared object
-// whose cblas_sgemm the launcher preloads in front of OpenBLAS, so both products share one
-// dot-product code (exact_dot.h) and one thread pool. `bind_kernel(path)` dlopen()s that
-// library explicitly (the preloaded copy when there is one); nothing is looked up behind the
-// caller's back, and an unbound module refuses to compute.
+// whose `exact_sgemm_nt` computes the fp32 products (exact_matmul.cpp's primitive), so both
+// share one dot-product code (exact_dot.h) and one thread pool. `bind_kernel(path)` dlopen()s
+// that library explicitly (a preloaded copy is the same one; none is needed); nothing is looked
+// up behind the caller's back, and an unbound module refuses to compute.
 //
 // Python: bind_kernel(path) -> None; is_bound() -> bool;
 //         qmatmul(x, blocks, fmt) -> x @ dequant(blocks).T;
+//         matmul(x, w) -> x @ w.T for fp32 w (exact_matmul.cpp);
 //         attend(...): a layer's attention for many sessions (exact_attention.cpp; needs no kernel);
 //         set_avx2(on) -> previous: the 8-lane variants of attention and SiLU on or off (tests);
 //         set_attention_pool(on) -> previous: attention's items on the kernel's pool, or on
@@ -34,6 +35,7 @@
 #include "exact_exp.h"
 #include "exact_exp_neon.h"
 #include "exact_layer.h"
+#include "exact_matmul.h"
 
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/mlx.h"
@@ -48,17 +50,11 @@ using qgemm_fn = int (*)(int fmt, int m, int n, int k, const float* a, long lda,
                          float* c, long ldc);
 qgemm_fn kernel = nullptr;  // exact_qgemm of the bound exact-gemm library
 exact_attention::ParallelFor pool = nullptr;  // its exact_parallel_for
-using sgemm_fn = void (*)(int order, int trans_a, int trans_b, int m, int n, int k, float alpha, const float* a,
-                          int lda, const float* b, int ldb, float beta, float* c, int ldc);
-sgemm_fn sgemm = nullptr;  // cblas_sgemm of the same library: what MLX's fp32 matmul calls in this process
-
-// exact_layer's products: fp32 rows as MLX's `x @ W.T` calls them (row-major, W transposed),
-// GGUF blocks through exact_qgemm (bitwise the former on the dequantized W).
+// exact_layer's products: fp32 rows through exact_sgemm_nt (exact_matmul.cpp's kernel), GGUF
+// blocks through exact_qgemm (bitwise the former on the dequantized W).
 bool linear(int fmt, int m, int n, int k, const float* x, const void* w, long ldw, float* y) {
-  if (fmt == 0) {
-    sgemm(101, 111, 112, m, n, k, 1.0f, x, k, static_cast<const float*>(w), k, 0.0f, y, n);
-    return true;
-  }
+  if (fmt == 0)
+    return exact_matmul::rows(m, n, k, x, static_cast<const float*>(w), k, y);
   return kernel(fmt, m, n, k, x, k, w, ldw, y, n) == 0;
 }
 
@@ -177,11 +173,11 @@ void bind_kernel(const std::string& path) {
   auto fn = reinterpret_cast<qgemm_fn>(dlsym(lib, "exact_qgemm"));
   if (fn == nullptr)
     throw std::runtime_error("exact_quant: " + path + " has no exact_qgemm (an older exact-gemm build?)");
-  auto gemm = reinterpret_cast<sgemm_fn>(dlsym(lib, "cblas_sgemm"));
+  auto gemm = reinterpret_cast<exact_matmul::Gemm>(dlsym(lib, "exact_sgemm_nt"));
   if (gemm == nullptr)
-    throw std::runtime_error("exact_quant: " + path + " has no cblas_sgemm");
+    throw std::runtime_error("exact_quant: " + path + " has no exact_sgemm_nt (an older exact-gemm build?)");
   kernel = fn;
-  sgemm = gemm;
+  exact_matmul::bind(gemm);
   // Attention's items on the same pool (nullptr from a library without it: threads per call).
   pool = reinterpret_cast<exact_attention::ParallelFor>(dlsym(lib, "exact_parallel_for"));
   exact_attention::set_parallel_for(pool);
@@ -189,7 +185,7 @@ void bind_kernel(const std::string& path) {
 
 mx::array block(const mx::array& h, const std::vector<mx::array>& weights, const std::vector<mx::array>& caches,
                 std::vector<int> ints, std::vector<float> floats, exact_attention::Segments seg) {
-  if (kernel == nullptr || sgemm == nullptr)
+  if (kernel == nullptr || !exact_matmul::is_bound())
     throw std::runtime_error("exact_quant: no kernel bound; call bind_kernel(path of the exact-gemm library) first");
   if ((ints.size() != 11 && ints.size() != 16) || floats.size() != 5)
     throw std::invalid_argument("exact_layer: 11 ints (n_heads, n_kv, head_dim, hidden, inter, rope_dims, "
@@ -236,6 +232,8 @@ NB_MODULE(_exact_quant, m) {
       nb::arg("on"),
       "Whether attention's (row, KV head) items run on the bound exact-gemm library's thread pool (the default) "
       "or on threads started per call; returns the previous setting. For tests: both give the same bits.");
+  m.def("matmul", &exact_matmul::matmul, nb::arg("x"), nb::arg("w"),
+        "x (..., K) float32 @ w.T, w float32 (N, K): float32 (..., N), by the bound exact-gemm kernel (any rows)");
   m.def("qmatmul", &qmatmul, nb::arg("x"), nb::arg("blocks"), nb::arg("fmt"),
         "x (..., K) float32 @ dequant(blocks).T, blocks uint8 (N, K/32*bytes): float32 (..., N)");
   m.def(

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from inference_engine.blas import active_blas
+from inference_engine.serving_path import kernels_in_use
 from inference_engine.errors import (
     InvalidRequest,
     InvariantViolation,
@@ -133,7 +133,7 @@ class SessionTransfer:
     def _own_fingerprint(self) -> Fingerprint:
         loaded = self.engine.loaded
         vocab = "none" if loaded.tokenizer is None else vocabulary_digest(loaded.tokenizer)
-        return Fingerprint(model_fingerprint(loaded.model), vocab, active_blas(), self.engine.block,
+        return Fingerprint(model_fingerprint(loaded.model), vocab, kernels_in_use(), self.engine.block,
                            self.engine.is_exact, 0, 0)
 
     # -- out ---------------------------------------------------------------------------

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from inference_engine.blas import active_blas
+from inference_engine.serving_path import kernels_in_use
 from inference_engine.config import ServerConfig
 from inference_engine.decoding.logprobs import MAX_TOP_LOGPROBS
 from inference_engine.model.gguf_blocks import has_blocks
@@ -24,7 +24,7 @@ class ModelInfo:
     has_chat_template: bool  # messages are servable
     is_exact: bool  # the probed bit-exact path
     block_size: int  # rows per forward block
-    kernels: str  # BLAS (and interposer) the server computes with
+    kernels: str  # what computes the products: the exact kernels on the CPU stream, or MLX ops (serving_path.py)
     model_fingerprint: str  # hex SHA-256 of the model's shape and first embedding rows
     has_draft_model: bool  # SPECULATIVE_DRAFT is servable
     default_sink: int  # sink tokens of a session that asks for 0
@@ -66,7 +66,7 @@ def describe_model(engine: Engine, cfg: ServerConfig, codec: TextCodec | None) -
         model_name=name, vocab_size=spec.vocab_size, eos_token_ids=spec.eos_token_ids,
         bos_token_id=codec.bos_token_id if codec else None, has_tokenizer=codec is not None,
         has_chat_template=bool(codec and codec.has_chat_template), is_exact=engine.is_exact,
-        block_size=engine.block, kernels=active_blas(), model_fingerprint=model_fingerprint(engine.loaded.model),
+        block_size=engine.block, kernels=kernels_in_use(), model_fingerprint=model_fingerprint(engine.loaded.model),
         has_draft_model=engine.has_draft_model, default_sink=cfg.default_sink, max_sink=cfg.max_sink,
         default_window=cfg.default_window, max_window=cfg.max_window, default_new_tokens=cfg.default_new_tokens,
         max_new_tokens=cfg.max_new_tokens, max_tokens_per_request=cfg.max_tokens_per_request,

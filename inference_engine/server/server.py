@@ -21,6 +21,7 @@ import grpc
 import mlx.core as mx
 
 from inference_engine.blas import active_blas
+from inference_engine.serving_path import kernels_in_use, use_cpu_stream
 from inference_engine.config import ServerConfig
 from inference_engine.errors import RuntimeServiceError
 from inference_engine.gc_freeze import freeze_startup_objects
@@ -66,6 +67,7 @@ def build_engine(cfg: ServerConfig, loaded: LoadedModel | None = None) -> Engine
     A q4_1 model whose kernel the probe finds unequal to the fp32 kernel is replaced by the
     fp32 model (logged as an error): the weights never change the bits.
     """
+    use_cpu_stream(cfg.exact)  # macOS: exact on MLX's CPU stream, plain on Metal
     served = load_served_model(cfg.model, cfg.weights, cfg.cache_dir) if loaded is None else None
     packaged_draft: LoadedModel | None = None  # loaded once, if ever needed
 
@@ -95,8 +97,8 @@ def build_engine(cfg: ServerConfig, loaded: LoadedModel | None = None) -> Engine
         log.info("weights: q4_1 (the GGUF's blocks; the probe found them bitwise equal to the fp32 kernel)")
     if engine.is_exact and engine.block == 1:
         log.warning("DEGRADED: exact at block size 1, one token per forward (slow prefill): %s is not row-invariant "
-                    "beyond one row. The exact-gemm kernel is: install OpenBLAS (apt-get install libopenblas0-pthread) "
-                    "and a C compiler, and start with `inference-engine serve`", active_blas())
+                    "beyond one row. The exact-gemm kernel is: install a C and C++ compiler (apt-get install g++; "
+                    "macOS: xcode-select --install) so the exact kernels build", kernels_in_use())
     cost = engine.verify_row_cost = measure_verify_row_cost(engine)
     log.info("a verification row costs %.2f of a one-row step: prompt lookup %s single-token matches", cost,
              "proposes" if cost <= CHEAP_ROW else "skips")
@@ -132,7 +134,7 @@ async def connect_shards(cfg: ServerConfig, engine: Engine) -> tuple[ShardRoute 
                            channel_security=security)
         await _reach(route, cfg.shard_recovery_timeout_s)
         g = engine.geometry(1, 1)
-        route.check_serves(model_fingerprint(engine.loaded.model), active_blas(), g.max_block, g.max_rollback)
+        route.check_serves(model_fingerprint(engine.loaded.model), kernels_in_use(), g.max_block, g.max_rollback)
         engine.use_backend(RouteBackend(route, engine.spec, engine.block))
     except BaseException as exc:  # a failed or interrupted start leaves no worker and no token file behind
         if route is not None:

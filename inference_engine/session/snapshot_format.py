@@ -77,7 +77,7 @@ class Fingerprint:
 
     model: str  # hex SHA-256 of the model's shapes and leading embedding rows (loader.model_fingerprint)
     tokenizer: str  # hex SHA-256 of the vocabulary ("none" for a model without a tokenizer)
-    kernels: str  # BLAS and interposer the numbers were computed with (blas.active_blas())
+    kernels: str  # what computed the numbers (serving_path.kernels_in_use(): the exact kernels, or MLX ops)
     block_size: int  # rows per forward chunk (the probed tile, or the plain block)
     is_exact: bool  # computed on the probed bit-exact path
     sink: int  # the session's attention-sink tokens

@@ -24,7 +24,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from inference_engine.model.fused_block import fused_linears
+from inference_engine.model import native_kernels
+from inference_engine.model.fused_block import apply_linear, fused_linears, head_logits, linear_arrays, linear_kind
 from inference_engine.model.gguf_blocks import BlockEmbedding, BlockLinear, dequantize_blocks
 
 REFERENCE_ROWS = 8192  # weight rows dequantized at a time for the fp32 reference (bounds its memory)
@@ -80,12 +81,13 @@ def _fp32_reference(module: BlockLinear | BlockEmbedding):
     Each output column is its own dot product, so slicing W's rows cannot change its bits.
     """
     blocks = np.array(module.blocks)
+    matmul = native_kernels.exact_matmul()  # the fp32 kernel: the exact primitive where bound
 
     def reference(x: mx.array) -> mx.array:
         parts = []
         for lo in range(0, blocks.shape[0], REFERENCE_ROWS):
             w = mx.array(dequantize_blocks(blocks[lo : lo + REFERENCE_ROWS], module.fmt))  # (rows, in)
-            parts.append(x @ w.T)
+            parts.append(x @ w.T if matmul is None else matmul(x, w))
             mx.eval(parts[-1])  # one slice of fp32 weights alive at a time
         return mx.concatenate(parts, axis=-1)
 
@@ -124,11 +126,12 @@ def probe_tile(
     linears = _linears(model)
     for fused in fused_linears(model):  # the projections forward actually runs
         linears.setdefault((_in_dim(fused), _out_dim(fused)), fused)
-    fns = {shape: (lambda x, m=m: m(x)) for shape, m in linears.items()}
+    # The products as the forward computes them (apply_linear: the exact primitive for fp32 where bound).
+    fns = {shape: (lambda x, m=m: apply_linear(linear_kind(m), x, linear_arrays(m))) for shape, m in linears.items()}
     embed = model.model.embed_tokens
     hidden = embed.dims if isinstance(embed, (nn.QuantizedEmbedding, BlockEmbedding)) else embed.weight.shape[1]
     head = (hidden, model.args.vocab_size)
-    fns[head] = lambda x: embed.as_linear(x)
+    fns[head] = lambda x: head_logits(model, x)
     failures: list[str] = []
     tile = max_candidate
     for (in_dim, out_dim), fn in sorted(fns.items()):

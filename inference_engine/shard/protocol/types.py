@@ -53,7 +53,7 @@ class ShardCapabilities:
     max_sessions: int  # sessions held at once
     max_sink: int  # largest sink a session may use
     max_window: int  # largest window a session may use
-    kernels: str = ""  # the BLAS (and interposer) it computes with (blas.active_blas()); equal along a route
+    kernels: str = ""  # what computes its products (serving_path.kernels_in_use()); equal along a route
 
     @property
     def is_head(self) -> bool:

@@ -23,7 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from inference_engine.blas import active_blas
+from inference_engine.serving_path import kernels_in_use
 from inference_engine.errors import InvalidRequest, InvariantViolation, PoolExhausted, SessionNotFound
 from inference_engine.model.forward import Span
 from inference_engine.model.gguf_blocks import has_blocks
@@ -138,7 +138,7 @@ class MlxShardEngine(ShardEngine):
             model_name=self._name, model_fingerprint=model_fingerprint(model), num_layers=num_layers,
             layers=self.layers, hidden_size=int(args.hidden_size), vocab_size=int(args.vocab_size),
             activation_dtype=_NUMPY_DTYPE[act_dtype], max_block=block, max_rollback=max_rollback,
-            max_sessions=max_sessions, max_sink=max_sink, max_window=max_window, kernels=active_blas(),
+            max_sessions=max_sessions, max_sink=max_sink, max_window=max_window, kernels=kernels_in_use(),
         )
 
     def capabilities(self) -> ShardCapabilities:
