@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Runs the test suite with coverage (>= 95 % of inference_engine, generated stubs excluded).
-# Tests run with Debian's OpenBLAS and the selected sgemm kernel (INFERENCE_ENGINE_KERNEL, default
-# exact_gemm) preloaded, as the server does (see inference_engine/blas.py).
+# Tests run without LD_PRELOAD, as the server does where the exact kernels build: every exact
+# product goes through their MLX primitives (inference_engine/quant_kernel.py). Tests of the
+# OpenBLAS interposers (the launcher's fallback) preload them in subprocesses of their own.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
-LIB=$($PY -m inference_engine.blas)  # [kernel interposer:]OpenBLAS, as the launcher preloads
-if [[ -n "$LIB" && "${INFERENCE_ENGINE_NO_OPENBLAS:-0}" != 1 ]]; then export LD_PRELOAD="$LIB${LD_PRELOAD:+:$LD_PRELOAD}"; fi
+unset LD_PRELOAD
 # INFERENCE_ENGINE_TEST_HOG=N starts N busy loops for the whole run (killed on exit): the suite must
 # pass under load, since no test may depend on the machine's speed (issue 33).
 HOGS=()

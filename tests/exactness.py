@@ -2,10 +2,26 @@
 
 from __future__ import annotations
 
+import mlx.core as mx
 import numpy as np
 
 from inference_engine.runtime.engine import Engine
 from inference_engine.verifier.sink_window_verifier import SinkWindowVerifier
+
+
+def rows_variant(block):
+    """TEST FIXTURE: forward's `_block` made to depend on the forward's row count, as a BLAS that hands calls of
+    more than 64 rows to another kernel (OpenBLAS behind the old interposer): block 0 leaves those rows with
+    their first hidden value's lowest bit flipped (monkeypatch it over inference_engine.model.forward._block)."""
+
+    def variant(layer, family, h, positions, segments, i, native):
+        out = block(layer, family, h, positions, segments, i, native)  # (1, R, hidden)
+        if i != 0 or out.shape[1] <= 64:
+            return out
+        first = (mx.arange(out.shape[-1]) == 0).astype(mx.uint32)  # (hidden,)
+        return mx.view(mx.view(out, mx.uint32) ^ first, mx.float32)
+
+    return variant
 
 
 def chunkings(n: int, seeds: range = range(4)) -> dict[str, list[int]]:

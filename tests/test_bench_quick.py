@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from inference_engine.blas import find_openblas
 
 pytestmark = pytest.mark.real_model
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,8 +30,8 @@ def _positive(summary: dict) -> bool:
 def test_meta_and_blas(report):
     meta = report["meta"]
     assert meta["quick"] is True and meta["plan"]["new_tokens"] >= 2
-    if find_openblas():
-        assert meta["blas"].startswith("openblas") and report["engines"]["server"]["blas"].startswith("openblas")
+    # No preload: the exact kernels compute every product; MLX's own matmul keeps the BLAS its wheel links.
+    assert meta["blas"] and report["engines"]["server"]["blas"] not in ("", "unknown")
 
 
 @pytest.mark.parametrize("name", ENGINES[:4])

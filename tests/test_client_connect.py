@@ -184,12 +184,16 @@ def test_the_banner_names_weights_mode_block_and_kernel():
     from inference_engine.server.model_info import ModelInfo, serving_label
 
     info = pb.GetModelInfoResponse(model_name="m (q4_1)", exact=True, block_size=64,
-                                   kernels="openblas: /usr/lib/libopenblas.so.0 + exact-gemm kernel 3 (max rows 64)")
+                                   kernels="exact-gemm kernel 3 (max rows 64) on MLX's CPU stream")
     assert cli.serving(info) == "m (q4_1), exact at block 64, exact-gemm kernel 3"
-    info.kernels, info.exact = "openblas: /usr/lib/libopenblas.so.0", False
-    assert cli.serving(info) == "m (q4_1), plain blocks of 64 (not exact), OpenBLAS"
-    info.kernels = "reference: MLX bundled"
-    assert cli.serving(info).endswith(", reference BLAS")
+    info.kernels, info.exact = "MLX ops, BLAS openblas: /usr/lib/libopenblas.so.0", False
+    assert cli.serving(info) == "m (q4_1), plain blocks of 64 (not exact), MLX ops, OpenBLAS"
+    info.kernels = "MLX ops (native attention), BLAS reference: MLX bundled"
+    assert cli.serving(info).endswith(", MLX ops (native attention), BLAS reference: MLX bundled")
+    info.kernels = "MLX ops, BLAS reference: MLX bundled"
+    assert cli.serving(info).endswith(", MLX ops, reference BLAS")
+    info.kernels = "MLX ops on Metal"
+    assert cli.serving(info).endswith(", MLX ops on Metal")
     fields = {f: 0 for f in ModelInfo.__dataclass_fields__}
     label = serving_label(ModelInfo(**{**fields, "model_name": "m (fp32)", "is_exact": True, "block_size": 1,
                                        "kernels": "reference: MLX bundled"}))

@@ -7,15 +7,13 @@ state digest: next-token logits bytes, cached token sequence, position and cache
 import numpy as np
 import pytest
 
-import mlx.core as mx
-
 from inference_engine.config import ServerConfig
 from inference_engine.model import forward as forward_module
 from inference_engine.runtime.engine import Engine
 from inference_engine.serving_path import EXACT_SUFFIX, kernels_in_use
 from inference_engine.v1 import runtime_pb2 as pb
 from tests.conftest import running_server
-from tests.exactness import chunkings, feed
+from tests.exactness import chunkings, feed, rows_variant
 from tests.kernel_guard import assert_full_tile, is_kernel_bound
 
 pytestmark = pytest.mark.real_model
@@ -100,27 +98,12 @@ async def test_two_sessions_through_server(real_engine, tokens):
         assert infos[0].state_digest == infos[1].state_digest
 
 
-def _rows_variant(block):
-    """TEST FIXTURE: transformer block 0 made to depend on the forward's row count, as a BLAS that hands calls
-    of more than 64 rows to another kernel (OpenBLAS behind the old interposer): those rows leave the block
-    with their first hidden value's lowest bit flipped."""
-
-    def variant(layer, family, h, positions, segments, i, native):
-        out = block(layer, family, h, positions, segments, i, native)  # (1, R, hidden)
-        if i != 0 or out.shape[1] <= 64:
-            return out
-        first = (mx.arange(out.shape[-1]) == 0).astype(mx.uint32)  # (hidden,)
-        return mx.view(mx.view(out, mx.uint32) ^ first, mx.float32)
-
-    return variant
-
-
 @pytest.mark.parametrize("defect", [False, True], ids=["clean", "rows-variant"])
 def test_negative_control_plain_blocks_of_128(real_model, tokens, monkeypatch, defect):
     """Plain 128-row blocks: the exact kernels keep them chunking-invariant (any row count); the chunking
     comparison sees a product whose bits depend on the row count."""
     if defect:
-        monkeypatch.setattr(forward_module, "_block", _rows_variant(forward_module._block))
+        monkeypatch.setattr(forward_module, "_block", rows_variant(forward_module._block))
     plain = Engine(real_model, exact=False, max_tile=16, plain_block=128, max_rollback=8)
     try:
         digests = {name: feed(plain, tokens, CHUNKINGS[name], SINK, WINDOW).state_digest()

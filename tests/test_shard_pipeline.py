@@ -87,7 +87,7 @@ async def test_route_must_compute_with_one_kernel_setup(tiny, monkeypatch):
     """A worker on other BLAS kernels (say, without the row-gemv interposer) would break bit-exactness."""
     head = _engine(tiny.model, HEAD)
     head.load()
-    monkeypatch.setattr(mlx_engine, "active_blas", lambda: "openblas: /elsewhere/libopenblas.so")
+    monkeypatch.setattr(mlx_engine, "kernels_in_use", lambda: "MLX ops, BLAS openblas: /elsewhere/libopenblas.so")
     async with _route(head, _engine(tiny.model, TAIL)) as addrs:
         pipeline = ShardPipeline(addrs)
         with pytest.raises(InvalidRequest, match="one BLAS set-up"):

@@ -198,12 +198,12 @@ def run_generate(args: argparse.Namespace, client: RuntimeClient, out: TextIO, e
 def serving(info: pb.GetModelInfoResponse) -> str:
     """What the server computes with, short: "smollm2-135m (q4_1), exact at block 64, exact-gemm kernel 3"."""
     kernels = info.kernels
-    if " + " in kernels:  # "openblas: PATH + exact-gemm kernel 3 (details)"
-        kernels = kernels.split(" + ", 1)[1].split(" (")[0]
-    elif kernels.startswith("openblas"):
-        kernels = "OpenBLAS"
-    elif kernels.startswith("reference"):
-        kernels = "reference BLAS"
+    if kernels.startswith("exact-gemm"):  # "exact-gemm kernel 3 (details) on MLX's CPU stream"
+        kernels = kernels.split(" (")[0]
+    elif kernels.startswith("MLX ops, BLAS "):  # "MLX ops, BLAS openblas: PATH" (serving_path.py)
+        blas = kernels.removeprefix("MLX ops, BLAS ")
+        kernels = "MLX ops, " + ("OpenBLAS" if blas.startswith("openblas") else
+                                 "reference BLAS" if blas.startswith("reference") else blas)
     mode = f"exact at block {info.block_size}" if info.exact else f"plain blocks of {info.block_size} (not exact)"
     return f"{info.model_name}, {mode}, {kernels}"
 
