@@ -155,6 +155,7 @@ static const char *gemm_variant = "portable"; /* which loops choose_columns pick
 #endif
 
 #if defined(__x86_64__) && !defined(__AVX2__)
+#include <cpuid.h>
 #include <immintrin.h>
 #define QTARGET __attribute__((target("avx2,f16c,fma")))
 
@@ -405,9 +406,15 @@ Q512 static void run_q_avx512(const struct job *j, int n0, int n1) {
         run_q_avx2(j, n, n1); /* the last columns */
 }
 
+/* F16C from CPUID leaf 1 (ECX bit 29): clang's __builtin_cpu_supports does not know "f16c". */
+static int has_f16c(void) {
+    unsigned a, b, c, d;
+    return __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C);
+}
+
 __attribute__((constructor)) static void choose_columns(void) {
     __builtin_cpu_init();
-    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("f16c") || !__builtin_cpu_supports("fma") ||
+    if (!__builtin_cpu_supports("avx2") || !has_f16c() || !__builtin_cpu_supports("fma") ||
         getenv("EXACT_GEMM_PORTABLE")) /* tests: the path of a CPU without them, for its bits */
         return;
     run_nt = run_nt_avx2;
