@@ -56,7 +56,8 @@ def linear_kind(module: nn.Module) -> LinearKind:
     if isinstance(module, BlockLinear):
         return LinearKind(None, False, False, (module.fmt, module.qmatmul))
     quant = (module.group_size, module.bits, module.mode) if isinstance(module, nn.QuantizedLinear) else None
-    matmul = native_kernels.exact_matmul() if quant is None else None  # fp32: the process's exact product
+    is_fp32 = quant is None and module.weight.dtype == mx.float32
+    matmul = native_kernels.exact_matmul() if is_fp32 else None  # fp32: the process's exact product
     return LinearKind(quant, quant is not None and "biases" in module, "bias" in module, matmul=matmul)
 
 
@@ -99,7 +100,7 @@ def head_logits(model: nn.Module, h: mx.array) -> mx.array:
     if "lm_head" in model:
         head = model.lm_head
         return apply_linear(linear_kind(head), h, linear_arrays(head)) if type(head) is nn.Linear else head(h)
-    matmul = native_kernels.exact_matmul() if type(embed) is nn.Embedding else None
+    matmul = native_kernels.exact_matmul() if type(embed) is nn.Embedding and embed.weight.dtype == mx.float32 else None
     return embed.as_linear(h) if matmul is None else matmul(h, embed.weight)
 
 
