@@ -1,6 +1,6 @@
 """The committed golden digests (tests/golden_digests.py) on whatever CPU runs the tests.
 
-Kernels: the harness, linked against the very exact-gemm library the server preloads, run as
+Kernels: the harness, linked against the very exact-gemm library the server loads, run as
 every x86-64 variant this CPU has; each must give the committed per-tensor digests (the arm64
 ones, checked under qemu by scripts/check_arm64.sh, are in the same table). A mismatch names the
 variant and the first differing tensor. Model: the packaged SmolLM2 served as q4_1, fixed feeds
@@ -40,7 +40,7 @@ def harness():
         pytest.skip(f"the harness builds on Linux x86-64 or arm64 (exact_gemm.c); this is {sys.platform} {platform.machine()}")
     if platform.machine() != "x86_64":
         return kernel_harness.build(platform.machine())
-    gemm = build_kernel("exact_gemm")  # the very library the server preloads
+    gemm = build_kernel("exact_gemm")  # the very library the server loads (by path)
     assert gemm is not None and not isinstance(gemm, str), gemm
     return kernel_harness.build("x86_64", gemm)
 
