@@ -6,9 +6,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 
-from inference_engine.blas import reexec_with_openblas
+from inference_engine.blas import FORCE_ENV, reexec_with_openblas, selected_kernel
 from inference_engine.launch import module_command
 from inference_engine.process_exit import exit_now
 from inference_engine.version import add_version_flag
@@ -78,6 +79,15 @@ def build_parser() -> tuple[argparse.ArgumentParser, bool]:
     return parser, has_server
 
 
+def _exact_kernels_built() -> bool:
+    """The exact kernels build here (quant_kernel.py): every product is theirs, no preload needed (Linux)."""
+    if not sys.platform.startswith("linux"):
+        return True  # nothing to re-exec for
+    from inference_engine.quant_kernel import exact_kernels_built
+
+    return exact_kernels_built()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse the command line and run the chosen command; returns the exit status."""
     argv = sys.argv[1:] if argv is None else argv
@@ -93,8 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     if not has_server:
         parser.error(f"`{args.command}` needs the server install: pip install 'inference_engine[server]'")
     try:
-        command, env = module_command(*argv)  # this copy of the package, never the current folder's
-        reexec_with_openblas(command[1:], env)
+        selected_kernel()  # an unknown INFERENCE_ENGINE_KERNEL is a usage error either way
+        if os.environ.get(FORCE_ENV) == "1" or not _exact_kernels_built():  # else no product needs OpenBLAS
+            command, env = module_command(*argv)  # this copy of the package, never the current folder's
+            reexec_with_openblas(command[1:], env)
     except ValueError as exc:  # an unknown INFERENCE_ENGINE_KERNEL
         parser.error(str(exc))
     from inference_engine.log_setup import configure_logging

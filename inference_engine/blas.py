@@ -153,9 +153,8 @@ def reexec_with_openblas(argv: list[str], base_env: dict[str, str] | None = None
         base_env: its environment before LD_PRELOAD is added (default os.environ).
 
     Returns normally (no re-exec) on non-Linux systems, when OpenBLAS is already preloaded,
-    when no OpenBLAS is installed, when INFERENCE_ENGINE_NO_OPENBLAS=1, or when the exact kernels
-    are built (they compute every product; building them here on first use) unless
-    INFERENCE_ENGINE_OPENBLAS=1.
+    when no OpenBLAS is installed, or when INFERENCE_ENGINE_NO_OPENBLAS=1. The launcher calls it
+    only where the exact kernels are not built, or INFERENCE_ENGINE_OPENBLAS=1 (`__main__`).
 
     Raises:
         ValueError: INFERENCE_ENGINE_KERNEL names no known kernel.
@@ -165,22 +164,12 @@ def reexec_with_openblas(argv: list[str], base_env: dict[str, str] | None = None
     preload = os.environ.get("LD_PRELOAD", "")
     if "openblas" in preload or os.environ.get(_REEXEC_MARK):
         return
-    selected_kernel()  # an unknown INFERENCE_ENGINE_KERNEL is an error either way
-    if os.environ.get(FORCE_ENV) != "1" and exact_kernels_built():
-        return
     libs = preload_libraries()
     if not libs:
         return
     env = dict(os.environ if base_env is None else base_env, **{_REEXEC_MARK: "1"})
     env["LD_PRELOAD"] = ":".join([*libs, preload] if preload else libs)
     os.execve(sys.executable, [sys.executable, *argv], env)
-
-
-def exact_kernels_built() -> bool:
-    """The exact kernels (library and MLX extension) are built, or build now: no preload is needed."""
-    from inference_engine.quant_kernel import KERNEL, extension_path  # it imports this module
-
-    return isinstance(build_kernel(KERNEL), Path) and isinstance(extension_path(), Path)
 
 
 def active_blas() -> str:

@@ -187,6 +187,12 @@ def loaded_kernel() -> QuantKernel | None:
     return next(iter(_LOADED.values()), None)
 
 
+def exact_kernels_built(cache_dir: Path | None = None) -> bool:
+    """The exact-gemm library and the extension are built (building them now on first use): the
+    launcher then needs no OpenBLAS re-exec, since they compute every product."""
+    return isinstance(build_kernel(KERNEL, cache_dir), Path) and isinstance(extension_path(cache_dir), Path)
+
+
 def enable_native_kernels(cache_dir: Path | None = None) -> str:
     """Bind the native kernels (model/native_kernels.py) in this process where MLX computes on
     the CPU (Linux, or macOS after `use_cpu_stream`) and the extension builds; returns why not

@@ -20,7 +20,7 @@ RANKS = {
     "config": 2,
     "blas": 3,
     "verifier": 4, "quant_kernel": 4,
-    "session": 5, "shard.protocol": 5, "served_model": 5,
+    "session": 5, "shard.protocol": 5, "served_model": 5, "serving_path": 5,
     "decoding": 6,
     "runtime": 7, "shard": 7, "shard.client": 7,
     "server": 8, "client": 8, "shard.worker": 8,  # a worker drives the runtime's engine core, as the server does

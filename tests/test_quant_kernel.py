@@ -113,6 +113,16 @@ def test_why_the_exact_kernels_are_unavailable(monkeypatch):
     assert "built for Linux and macOS; this is win32" in load_quant_kernel()
 
 
+def test_whether_the_launcher_needs_its_openblas_reexec(kernel, tmp_path, monkeypatch):
+    from inference_engine import __main__ as launcher
+
+    assert quant_kernel.exact_kernels_built() and launcher._exact_kernels_built()  # built: no re-exec
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    assert not quant_kernel.exact_kernels_built(tmp_path)  # nothing built there, and no compiler
+    monkeypatch.setattr(sys, "platform", "darwin")
+    assert launcher._exact_kernels_built()  # nothing to re-exec for off Linux
+
+
 def test_the_link_flags_of_each_platform():
     assert quant_kernel._platform_flags("darwin") == ["-undefined", "dynamic_lookup"]  # Python's symbols at import
     assert quant_kernel._platform_flags("linux") == []
