@@ -2,8 +2,8 @@
 """Benchmark: our runtime against mlx-lm and llama.cpp, and against the memory-bandwidth limit.
 
 One run, one machine, one model (the packaged SmolLM2-135M), one BLAS for MLX's own matmuls
-(OpenBLAS preloaded by re-exec, INFERENCE_ENGINE_OPENBLAS=1, for mlx-lm; our engines' exact
-products run on the exact kernels either way). All engines are loaded at once and
+(OpenBLAS preloaded by re-exec, for mlx-lm; our engines' exact products run on the exact
+kernels either way). All engines are loaded at once and
 their repetitions run round-robin, so load from elsewhere hits them alike. Figures, each
 a median over several repetitions with min and max:
 
@@ -93,7 +93,6 @@ def main(argv: list[str] | None = None) -> int:
     """Run the bench; returns the exit status."""
     argv = sys.argv[1:] if argv is None else argv
     # mlx-lm runs in this process on MLX's own matmul: give it OpenBLAS (our engines' exact kernels need none)
-    os.environ.setdefault("INFERENCE_ENGINE_OPENBLAS", "1")
     reexec_with_openblas([str(Path(__file__).resolve()), *argv])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="seconds-long subset (CI)")
