@@ -129,7 +129,7 @@ def test_refusals_and_empty_calls(qgemm):
     rng = np.random.default_rng(4)
     x = rng.standard_normal((2, 64), dtype=np.float32)
     blocks = random_blocks(rng, Q4_1, 5, 64)
-    assert qgemm.status(2, x, blocks)[0] == -1  # Q4_0 is not served
+    assert qgemm.status(10, x, blocks)[0] == -1  # Q2_K: no kernel reads it
     assert qgemm.status(Q4_1, x, blocks, k=48)[0] == -1  # K not a multiple of 32
     assert qgemm.status(Q4_1, x, blocks, ldq=39)[0] == -1  # rows shorter than their blocks
     status, c = qgemm.status(Q4_1, x[:, :0], blocks[:, :0], k=0, ldq=0)

@@ -1,6 +1,7 @@
 /*
  * exact_gemm: a row-invariant cblas_sgemm for blocks of up to 64 rows (Linux launcher only),
- * and the same products with weights read from GGUF Q4_1/Q8_0 blocks (`exact_qgemm`).
+ * and the same products with weights read from GGUF blocks (`exact_qgemm`: F16, BF16, Q4_0, Q4_1,
+ * Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K).
  *
  * Why a row's bits cannot depend on its block: every output C[i,n] is reduced by one fixed
  * sequence of fp32 operations that depends only on K, alpha, beta and the two input rows,
@@ -55,6 +56,7 @@
 #pragma GCC diagnostic ignored "-Wpsabi" /* 32-byte vectors never cross a non-inlined call */
 #include "exact_dot.h"
 #include "ggml_blocks.h"
+#include "ggml_kquants.h"
 
 #define EXACT_GEMM_MAX_ROWS 64
 #define SPIN_NS 200000L    /* a worker spins this long for the next call before sleeping */
@@ -69,7 +71,7 @@
 #define SOLO_CALLS 16
 #define CHUNK_COST 400000L /* rows (at least 4) x k x columns per claimed chunk (~20 us) */
 
-const char exact_gemm_version[] = "exact-gemm kernel 3 (max rows 64, 8-lane fused multiply-add; Q4_1/Q8_0 weights)";
+const char exact_gemm_version[] = "exact-gemm kernel 3 (max rows 64, 8-lane fused multiply-add; F16/BF16/Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K weights)";
 
 enum { ROW_MAJOR = 101 };
 enum { NO_TRANS = 111, TRANS = 112 };
@@ -86,7 +88,7 @@ struct job {
     const float *a, *b;
     float *c;
     size_t lda, ldb, ldc;
-    int fmt;            /* 0: fp32 B; GGML_Q4_1 / GGML_Q8_0: B is `q`, n rows of k / 32 blocks */
+    int fmt;            /* 0: fp32 B; a ggml type (ggml_types.h): B is `q`, n rows of blocks */
     const uint8_t *q;   /* quantized weights (fmt != 0) */
     size_t ldq;         /* bytes from one weight row to the next */
 };
@@ -137,6 +139,7 @@ static inline void halves_portable(const uint8_t *p, v8 *a, v8 *b) {
 #define Q4_1_GROUP q4_1_group
 #include "exact_tiles.h"
 #include "exact_qtiles.h"
+#include "exact_kqtiles.h"
 #undef QV
 #undef QTARGET
 #undef STEP
@@ -182,6 +185,7 @@ QTARGET INLINE v8 fma8_avx2(v8 acc, v8 x, v8 w) { return (v8)_mm256_fmadd_ps((__
 #define QV(name) name##_avx2
 #include "exact_tiles.h"
 #include "exact_qtiles.h"
+#include "exact_kqtiles.h"
 
 /* One to 12 rows (decode, batches, verification) on AVX-512: the AVX2 tiles' arithmetic for two columns per instruction. Each
  * 512-bit register holds two 8-lane accumulators side by side (lanes 0..7 column c, 8..15 column
@@ -396,6 +400,10 @@ Q512 static void run_nt_avx512(const struct job *j, int n0, int n1) {
 
 Q512 static void run_q_avx512(const struct job *j, int n0, int n1) {
     int n = n0;
+    if (j->fmt != GGML_Q4_1 && j->fmt != GGML_Q8_0) { /* the other types: AVX2's loops (exact_kqtiles.h) */
+        run_q_avx2(j, n0, n1);
+        return;
+    }
     if (j->m <= 12) /* decode, batched decode, verification: row groups of up to 8 */
         for (; n + 4 <= n1; n += 4)
             for (int i = 0; i < j->m; i += 8)
@@ -678,13 +686,14 @@ int exact_sgemm_nt(int m, int n, int k, const float *a, long lda, const float *b
     return 0;
 }
 
-/* C (m x n, row stride ldc) = A (m x k, row stride lda) . W^T, W given as n rows of k / 32
- * GGUF blocks of type `fmt` (GGML_Q4_1 or GGML_Q8_0), ldq bytes apart: bitwise the fp32
- * cblas_sgemm above on the dequantized W, for any m (the MLX extension's entry).
- * Returns 0, or -1 (nothing written) for another format, k % 32 != 0 or ldq too small. */
+/* C (m x n, row stride ldc) = A (m x k, row stride lda) . W^T, W given as n rows of GGUF blocks
+ * of type `fmt` (ggml_types.h: F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), ldq
+ * bytes apart: bitwise the fp32 cblas_sgemm above on gguf-py's dequantized W, for any m (the MLX
+ * extension's entry). Returns 0, or -1 (nothing written) for another type, k not whole blocks
+ * (32 weights, 256 for K-quants) or ldq too small. */
 int exact_qgemm(int fmt, int m, int n, int k, const float *a, long lda, const void *q, long ldq, float *c, long ldc) {
-    int bytes = ggml_block_bytes(fmt);
-    if (bytes == 0 || k < 0 || k % GGML_QK != 0 || ldq < (long)(k / GGML_QK) * bytes || lda < k || ldc < n)
+    long row = ggml_row_bytes(fmt, k);
+    if (row < 0 || ldq < row || lda < k || ldc < n)
         return -1;
     if (m <= 0 || n <= 0)
         return 0;

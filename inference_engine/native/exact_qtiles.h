@@ -192,9 +192,13 @@ QTARGET INLINE void QV(run_q_fmt)(const struct job *j, int n0, int n1, int fmt) 
     }
 }
 
+QTARGET static void QV(run_q_any)(const struct job *j, int n0, int n1); /* every other type: exact_kqtiles.h */
+
 QTARGET static void QV(run_q)(const struct job *j, int n0, int n1) {
     if (j->fmt == GGML_Q4_1)
         QV(run_q_fmt)(j, n0, n1, GGML_Q4_1);
-    else
+    else if (j->fmt == GGML_Q8_0)
         QV(run_q_fmt)(j, n0, n1, GGML_Q8_0);
+    else
+        QV(run_q_any)(j, n0, n1);
 }
