@@ -1,9 +1,10 @@
 """Which weights a process serves: `--weights fp32` (the converted folder) or `q4_1` (the GGUF's own blocks).
 
 Both give bitwise the same logits (model/gguf_blocks.py, quant_kernel.py); q4_1 streams 97 MB
-of blocks per token instead of 538 MB of fp32 and keeps no fp32 copy. q4_1 needs the GGUF
-the model was converted from (the packaged model) and the q4_1 kernel; where either is
-missing the process serves fp32 and says why in its log. The start-up probe then checks the
+of blocks per token instead of 538 MB of fp32 and keeps no fp32 copy. q4_1 needs a GGUF (the
+file the packaged SmolLM2 was converted from, or `--model FILE.gguf` / packaged:gemma3-270m,
+whose blocks of every type are served as stored: model/gguf_file_blocks.py) and the exact
+block kernel; where either is missing the process serves fp32 and says why in its log. The start-up probe then checks the
 kernel against the fp32 kernel on every shape (verifier/tile_probe.py); the server falls
 back to fp32 if it differs.
 """
@@ -41,9 +42,9 @@ def gguf_source(model: str) -> Path | None:
 
 def q4_1_unavailable(model: str, cache_dir: Path) -> str:
     """Why `model` cannot be served from q4_1 blocks in this process ("" if it can)."""
-    if gguf_source(model) is None:
-        return (f"q4_1 serves the Q4_1/Q8_0 blocks of {DEFAULT_MODEL} only; --model {model} is served from fp32 "
-                "(a GGUF file: gguf-py's fp32 dequantization of its blocks)")
+    if gguf_source(model) is None and not is_gguf_file(resolve_model_path(model, cache_dir)):
+        return (f"q4_1 serves a GGUF's own blocks ({DEFAULT_MODEL}'s, or a .gguf file's); the folder --model {model} "
+                "is served from fp32")
     kernel = load_quant_kernel(cache_dir)
     return kernel if isinstance(kernel, str) else ""
 
@@ -59,6 +60,12 @@ def load_served_model(model: str, weights: str, cache_dir: Path) -> ServedModel:
         raise ValueError(f"--weights {weights!r} is not one of {', '.join(WEIGHTS)}")
     use_native_kernels(cache_dir)
     note = q4_1_unavailable(model, cache_dir) if weights == "q4_1" else ""
+    if weights == "q4_1" and not note and gguf_source(model) is None:  # a GGUF file: its blocks as stored
+        path = resolve_model_path(model, cache_dir)
+        kernel = load_quant_kernel(cache_dir)
+        assert not isinstance(kernel, str)
+        log.info("loading %s: config and tokenizer from the GGUF, its blocks served as stored", path)
+        return ServedModel(load_gguf_model(path, cache_dir, kernel.qmatmul), "q4_1", "")
     if weights == "q4_1" and not note:
         return ServedModel(load_q4_1_model(model, cache_dir), "q4_1", "")
     if note:

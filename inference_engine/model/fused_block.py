@@ -26,7 +26,7 @@ import mlx.nn as nn
 import numpy as np
 
 from inference_engine.model.families import Family, family_of_model
-from inference_engine.model.gguf_blocks import BlockLinear, QMatmul
+from inference_engine.model.gguf_blocks import BlockConcat, BlockLinear, QMatmul, fuse_formats
 from inference_engine.model import native_kernels
 from inference_engine.model.native_kernels import BlockPlan
 
@@ -40,14 +40,15 @@ class LinearKind:
     quant: tuple[int, int, str] | None  # (group_size, bits, mode) of a quantized linear, else None
     has_biases: bool  # a quantized linear's affine `biases` array is present
     has_bias: bool  # an additive bias follows the matmul
-    blocks: tuple[int, QMatmul] | None = None  # (ggml type, kernel) of a BlockLinear, else None
+    blocks: tuple[int | tuple[int, ...], QMatmul] | None = None  # (ggml type, kernel) of a BlockLinear, else None
+    # (a BlockConcat: its parts' types)
     matmul: Callable[[mx.array, mx.array], mx.array] | None = None  # fp32: the exact product primitive, else None
 
     @property
     def n_arrays(self) -> int:
         """How many arrays `linear_arrays` yields for this kind."""
         if self.blocks is not None:
-            return 1
+            return len(self.blocks[0]) if isinstance(self.blocks[0], tuple) else 1
         return (1 if self.quant is None else 2 + int(self.has_biases)) + int(self.has_bias)
 
 
@@ -55,6 +56,8 @@ def linear_kind(module: nn.Module) -> LinearKind:
     """The static facts of an nn.Linear / nn.QuantizedLinear / BlockLinear."""
     if isinstance(module, BlockLinear):
         return LinearKind(None, False, False, (module.fmt, module.qmatmul))
+    if isinstance(module, BlockConcat):
+        return LinearKind(None, False, False, (module.formats, module.parts[0].qmatmul))
     quant = (module.group_size, module.bits, module.mode) if isinstance(module, nn.QuantizedLinear) else None
     is_fp32 = quant is None and module.weight.dtype == mx.float32
     matmul = native_kernels.exact_matmul() if is_fp32 else None  # fp32: the process's exact product
@@ -71,6 +74,8 @@ def _array_names(module: nn.Module) -> tuple[str, ...]:
 
 def linear_arrays(module: nn.Module) -> tuple[mx.array, ...]:
     """The arrays `apply_linear` takes: weight[, scales[, biases]][, bias], or a BlockLinear's blocks."""
+    if isinstance(module, BlockConcat):
+        return tuple(p.blocks for p in module.parts)
     return tuple(module[n] for n in _array_names(module))
 
 
@@ -78,6 +83,8 @@ def apply_linear(kind: LinearKind, x: mx.array, arrays: tuple[mx.array, ...]) ->
     """Exactly what nn.Linear / nn.QuantizedLinear / BlockLinear compute (same ops, so the same bits)."""
     if kind.blocks is not None:
         fmt, qmatmul = kind.blocks
+        if isinstance(fmt, tuple):  # a BlockConcat: each part its own product
+            return mx.concatenate([qmatmul(x, a, f) for a, f in zip(arrays, fmt)], axis=-1)
         return qmatmul(x, arrays[0], fmt)
     if kind.matmul is not None:  # fp32 on the exact kernel: bias added after, as the native block does
         y = kind.matmul(x, arrays[0])
@@ -105,7 +112,12 @@ def head_logits(model: nn.Module, h: mx.array) -> mx.array:
 
 
 def concat_linears(parts: list[nn.Module]) -> nn.Module:
-    """One linear whose output is the parts' outputs side by side; the parts become views of it."""
+    """One linear whose output is the parts' outputs side by side; the parts become views of it.
+
+    Block linears of types without a common exact form stay separate arrays (a BlockConcat).
+    """
+    if isinstance(parts[0], BlockLinear) and not fuse_formats(parts):
+        return BlockConcat(parts)
     fused = copy.copy(parts[0])
     names = _array_names(parts[0])
     for n in names:
@@ -247,6 +259,8 @@ def _plan(s: _Shape, norms: tuple[mx.array, mx.array], extra_norms: tuple[mx.arr
     """
     formats = []
     for i, kind in enumerate(s.kinds):
+        if kind.blocks is not None and isinstance(kind.blocks[0], tuple):
+            return None, "a fused product over GGUF tensors of different types (one weight per product natively)"
         if kind.blocks is not None:
             formats.append(kind.blocks[0])
         elif kind.quant is None and (not kind.has_bias or i == 0):  # a bias on q/k/v only

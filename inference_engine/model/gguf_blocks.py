@@ -1,14 +1,15 @@
-"""Serving the GGUF's own blocks: linears and the tied embedding read Q4_1/Q8_0 bytes, not fp32.
+"""Serving the GGUF's own blocks: linears and the tied embedding read the stored bytes, not fp32.
 
-The fp32 model (gguf_convert.py) is every GGUF tensor dequantized by gguf-py in fp32 and the
-Q/K rows un-permuted. Here the same tensors are kept as their raw blocks (uint8 rows of
-20-byte Q4_1 / 34-byte Q8_0 blocks, one row per output feature, rows un-permuted the same
-way) and multiplied by a kernel (`QMatmul`, the MLX extension of `quant_kernel.py`) that
-dequantizes them with the converter's arithmetic and reduces in the fp32 kernel's order: the
-logits are bitwise those of the fp32 model, at 1/5.5 of the bytes. The embedding lookup
-dequantizes the gathered rows with MLX ops doing the converter's roundings. Nothing of the
-fp32 model is kept: its folder gives the architecture, config and tokenizer, its (lazy)
-weights are never read.
+The fp32 model (gguf_convert.py, gguf_model.py) is every GGUF tensor dequantized by gguf-py in
+fp32 and the Q/K rows un-permuted. Here the same tensors are kept as their raw blocks (uint8
+rows of blocks, one row per output feature, rows un-permuted the same way) and multiplied by a
+kernel (`QMatmul`, the MLX extension of `quant_kernel.py`) that dequantizes them with gguf-py's
+arithmetic and reduces in the fp32 kernel's order: the logits are bitwise those of the fp32
+model, at a fraction of the bytes. Types: F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K,
+Q6_K (`TYPE_SIZES`, native/ggml_types.h). The embedding lookup dequantizes the gathered rows:
+Q4_1/Q8_0 with MLX ops doing the converter's roundings, the others with gguf-py itself.
+For the packaged SmolLM2 nothing of the fp32 model is kept: its folder gives the architecture,
+config and tokenizer, its (lazy) weights are never read.
 """
 
 from __future__ import annotations
@@ -25,10 +26,46 @@ from inference_engine.model.gguf_convert import _hf_name, _unpermute_rows
 from inference_engine.model.gguf_reader import read_gguf
 
 QMatmul = Callable[[mx.array, mx.array, int], mx.array]  # (x (..., K), blocks (N, bytes), fmt) -> (..., N)
-Q4_1, Q8_0 = 3, 8  # ggml type ids
-BLOCK = 32  # weights per block
+Q4_0, Q4_1, Q5_0, Q8_0 = 2, 3, 6, 8  # ggml type ids
+BLOCK = 32  # weights per block (Q4_1, Q8_0)
 BLOCK_BYTES = {Q4_1: 20, Q8_0: 34}
-FORMAT_NAMES = {Q4_1: "Q4_1", Q8_0: "Q8_0"}
+# Every type the kernel reads as stored: ggml type id -> (weights per block, bytes per block)
+TYPE_SIZES = {1: (32, 64), 30: (32, 64), Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), 7: (32, 24),
+              Q8_0: (32, 34), 12: (256, 144), 13: (256, 176), 14: (256, 210)}
+FORMAT_NAMES = {1: "F16", 30: "BF16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", 7: "Q5_1", Q8_0: "Q8_0",
+                12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+
+
+def row_bytes(fmt: int, features: int) -> int:
+    """Bytes of one row of `features` weights of ggml type `fmt`; -1 for a type not read or partial blocks."""
+    if fmt not in TYPE_SIZES or features % TYPE_SIZES[fmt][0]:
+        return -1
+    per, size = TYPE_SIZES[fmt]
+    return features // per * size
+
+
+def as_q8_0(blocks: np.ndarray, fmt: int) -> np.ndarray:
+    """Q4_0 / Q5_0 rows (uint8 (N, bytes)) as Q8_0 rows of bitwise the same weights.
+
+    Both are d * float(q) with q = nibble - 8 (Q4_0) or nibble | high bit << 4, minus 16 (Q5_0):
+    a Q8_0 block with the same fp16 d and int8 q dequantizes to q * d, the same single rounding
+    of the same exact product. Lets q/k/v of mixed types (Q4_K_M files) fuse into one linear.
+    """
+    n = blocks.shape[0]
+    size = TYPE_SIZES[fmt][1]
+    b = blocks.reshape(n, -1, size)  # (N, blocks, bytes)
+    qs = b[..., -16:]
+    q = np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.int16)  # (N, blocks, 32)
+    if fmt == Q5_0:
+        qh = b[..., 2:6].copy().view(np.uint32)  # (N, blocks, 1)
+        q |= ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int16) << 4
+        q -= 16
+    elif fmt == Q4_0:
+        q -= 8
+    else:
+        raise ValueError(f"ggml type {fmt} has no exact Q8_0 form")
+    out = np.concatenate([b[..., 0:2], q.astype(np.int8).view(np.uint8)], axis=-1)  # (N, blocks, 34)
+    return out.reshape(n, -1)
 
 
 def dequantize_blocks(blocks: np.ndarray, fmt: int) -> np.ndarray:
@@ -44,12 +81,12 @@ class BlockLinear(nn.Module):
     def __init__(self, blocks: mx.array, fmt: int, in_features: int, qmatmul: QMatmul):
         """
         Args:
-            blocks: uint8 (out_features, in_features / 32 * block bytes), one row per output feature.
-            fmt: ggml type id (Q4_1 or Q8_0).
+            blocks: uint8 (out_features, row bytes of in_features), one row per output feature.
+            fmt: ggml type id (a key of TYPE_SIZES).
             qmatmul: the kernel computing x @ dequant(blocks).T.
         """
         super().__init__()
-        if fmt not in BLOCK_BYTES or blocks.shape[1] * BLOCK != in_features * BLOCK_BYTES[fmt]:
+        if row_bytes(fmt, in_features) != blocks.shape[1]:
             raise ValueError(f"blocks of shape {tuple(blocks.shape)} are not {in_features} features of ggml type {fmt}")
         self.blocks = blocks
         self.fmt = fmt
@@ -69,12 +106,60 @@ class BlockLinear(nn.Module):
         return mx.array(dequantize_blocks(np.array(self.blocks), self.fmt))
 
 
+class BlockConcat(nn.Module):
+    """Block linears of different ggml types side by side: x @ [W_0; W_1; ...].T as one output.
+
+    A fused q/k/v (or gate/up) whose parts mix types with no common exact form (Q4_K with Q6_K,
+    as Q4_K_M files mix them): each part is its own product, the outputs concatenated; every
+    output column is still its own part's dot product, so the bits are the parts'.
+    """
+
+    def __init__(self, parts: list[BlockLinear]):
+        super().__init__()
+        self.parts = parts
+
+    @property
+    def in_features(self) -> int:
+        """Columns of x."""
+        return self.parts[0].in_features
+
+    @property
+    def out_features(self) -> int:
+        """The parts' rows together."""
+        return sum(p.out_features for p in self.parts)
+
+    @property
+    def formats(self) -> tuple[int, ...]:
+        """The parts' ggml types, in order."""
+        return tuple(p.fmt for p in self.parts)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return mx.concatenate([p(x) for p in self.parts], axis=-1)
+
+
+def fuse_formats(parts: list[BlockLinear]) -> bool:
+    """Give block linears to be fused one ggml type where an exact common form exists; True if they share one.
+
+    Q4_0 / Q5_0 parts beside Q8_0 ones become Q8_0 blocks of the same weights (as_q8_0).
+    """
+    kinds = {p.fmt for p in parts}
+    if len(kinds) == 1:
+        return True
+    if not kinds <= {Q4_0, Q5_0, Q8_0}:
+        return False
+    for p in parts:
+        if p.fmt != Q8_0:
+            p.blocks = mx.array(as_q8_0(np.array(p.blocks), p.fmt))
+            p.fmt = Q8_0
+    return True
+
+
 class BlockEmbedding(nn.Module):
     """A (tied) embedding stored as GGUF blocks: lookup and LM head (`as_linear`)."""
 
     def __init__(self, blocks: mx.array, fmt: int, dims: int, qmatmul: QMatmul):
         super().__init__()
-        if fmt not in BLOCK_BYTES or blocks.shape[1] * BLOCK != dims * BLOCK_BYTES[fmt]:
+        if row_bytes(fmt, dims) != blocks.shape[1]:
             raise ValueError(f"blocks of shape {tuple(blocks.shape)} are not {dims} dims of ggml type {fmt}")
         self.blocks = blocks
         self.fmt = fmt
@@ -84,6 +169,9 @@ class BlockEmbedding(nn.Module):
     def __call__(self, ids: mx.array) -> mx.array:
         """Rows `ids` dequantized: (..., dims) float32, bitwise the fp32 embedding's rows."""
         rows = self.blocks[ids]  # (..., bytes)
+        if self.fmt not in BLOCK_BYTES:  # gguf-py's own dequantization of the gathered rows
+            flat = np.array(rows).reshape(-1, rows.shape[-1])
+            return mx.array(dequantize_blocks(flat, self.fmt).reshape(*ids.shape, self.dims))
         groups = rows.reshape(*ids.shape, self.dims // BLOCK, BLOCK_BYTES[self.fmt])  # (..., blocks, bytes)
         d = mx.view(groups[..., 0:2], mx.float16).astype(mx.float32)  # (..., blocks, 1)
         if self.fmt == Q8_0:
@@ -130,7 +218,7 @@ class GgufTensor:
     row_bytes: int  # bytes of one row (the last dimension)
 
 
-_TYPE_SIZES = {0: (1, 4), 1: (1, 2), Q4_1: (BLOCK, BLOCK_BYTES[Q4_1]), Q8_0: (BLOCK, BLOCK_BYTES[Q8_0])}
+_TYPE_SIZES = {0: (1, 4), 1: (1, 2), Q4_1: (BLOCK, BLOCK_BYTES[Q4_1]), Q8_0: (BLOCK, BLOCK_BYTES[Q8_0])}  # the folder path's
 
 
 def read_gguf_tensors(path: Path) -> list[GgufTensor]:

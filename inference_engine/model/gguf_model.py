@@ -1,9 +1,10 @@
 """`serve --model FILE.gguf`: a model of a supported family straight from a GGUF file.
 
-Config, tokenizer and chat template come from the file's metadata (no hub, no folder). Every
-tensor is dequantized by gguf-py in fp32, the arithmetic `--weights q4_1` already keeps for
-the packaged model, so the model computes bitwise the fp32 product of gguf-py's
-dequantization of its blocks; llama.cpp's Q/K row permutation is undone for the families
+Config, tokenizer and chat template come from the file's metadata (no hub, no folder). With
+`--weights q4_1` (the default) the blocks are served as stored (gguf_file_blocks.py); with
+`--weights fp32`, or where the exact block kernel is unavailable, every tensor is dequantized
+by gguf-py in fp32 here. Both compute bitwise the fp32 product of gguf-py's dequantization of
+its blocks; llama.cpp's Q/K row permutation is undone for the families
 whose converter made it, and norms stored as `1 + w` are marked as effective weights
 (families/base.py). A tensor of a type not in `SUPPORTED_TYPES` stops the start-up with its
 name and type.
@@ -193,10 +194,20 @@ def build_gguf_model(g: GgufFile) -> tuple[nn.Module, dict[str, Any]]:
     return model, cfg
 
 
-def load_gguf(path: Path, cache_dir: Path | None = None) -> tuple[nn.Module, dict[str, Any], Any]:
-    """(model, config, tokenizer) of a GGUF file (see `build_gguf_model`, `gguf_tokenizer`)."""
+def load_gguf(path: Path, cache_dir: Path | None = None, qmatmul: Any = None) -> tuple[nn.Module, dict[str, Any], Any]:
+    """(model, config, tokenizer) of a GGUF file (see `build_gguf_model`, `gguf_tokenizer`).
+
+    Args:
+        qmatmul: the exact block kernel (quant_kernel.py): the file's blocks served as stored
+            (gguf_file_blocks.py); None: fp32 dequantization.
+    """
     g = read_gguf(path)
-    model, cfg = build_gguf_model(g)
+    if qmatmul is None:
+        model, cfg = build_gguf_model(g)
+    else:
+        from inference_engine.model.gguf_file_blocks import build_gguf_block_model
+
+        model, cfg = build_gguf_block_model(g, qmatmul)
     eos = g.get("tokenizer.ggml.eos_token_id")
     cfg["eos_token_id"] = [] if eos is None else [int(eos)]
     cfg["gguf_types"] = sorted({t.type_name for t in g.tensors})

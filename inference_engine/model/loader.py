@@ -93,17 +93,19 @@ def load_model(path: Path) -> LoadedModel:
     return LoadedModel(model, spec_of(model, path.name, eos, "quantization" in config), tokenizer)
 
 
-def load_gguf_model(path: Path, cache_dir: Path | None = None) -> LoadedModel:
+def load_gguf_model(path: Path, cache_dir: Path | None = None, qmatmul: QMatmul | None = None) -> LoadedModel:
     """A GGUF file's model, config and tokenizer from the file alone (model/gguf_model.py).
 
     Args:
         cache_dir: where a built tokenizer is kept for the next start (None: built every time).
+        qmatmul: the exact block kernel: serve the file's own blocks through it (model/gguf_file_blocks.py);
+            None: every tensor dequantized to fp32 by gguf-py (the same bits).
     Raises:
         ValueError: an unsupported architecture or tensor type (named).
     """
     from inference_engine.model.gguf_model import load_gguf
 
-    model, config, tokenizer = load_gguf(path, cache_dir)
+    model, config, tokenizer = load_gguf(path, cache_dir, qmatmul)
     materialize_private_arrays(model)
     formats = tuple(config["gguf_types"])
     return LoadedModel(model, spec_of(model, path.stem, tuple(config["eos_token_id"]), formats=formats), tokenizer)

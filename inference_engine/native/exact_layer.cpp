@@ -29,6 +29,7 @@
 #include <string>
 
 #include "exact_layer_math.h"
+#include "ggml_types.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/primitives.h"
 
@@ -226,9 +227,8 @@ mx::array block(const mx::array& h, const std::vector<mx::array>& weights, const
     if (fmt == 0)
       check(w.dtype() == mx::float32 && w.shape(1) == ins[i], "an fp32 weight must be (out, in) float32");
     else
-      check(w.dtype() == mx::uint8 && (fmt == 3 || fmt == 8) && ins[i] % 32 == 0 &&
-                w.shape(1) == ins[i] / 32 * (fmt == 3 ? 20 : 34),
-            "a block weight must be (out, in / 32 * block bytes) uint8 of Q4_1 or Q8_0");
+      check(w.dtype() == mx::uint8 && ggml_row_bytes(fmt, ins[i]) > 0 && w.shape(1) == ggml_row_bytes(fmt, ins[i]),
+            "a block weight must be (out, row bytes of in) uint8 of a type exact_qgemm reads (ggml_types.h)");
   }
   exact_attention::check_segments(seg, caches, h.shape(1), s.n_kv, s.head_dim, "exact_layer");
   std::vector<mx::array> inputs{h};

@@ -15,7 +15,7 @@ using Linear = bool (*)(int fmt, int m, int n, int k, const float* x, const void
 struct Shape {  // static facts of a block
   int n_heads, n_kv, head_dim, hidden, inter;
   int rope_dims, rope_traditional;
-  int fmt[4];  // qkv, o_proj, gate_up, down_proj: 0 fp32, 3 Q4_1, 8 Q8_0
+  int fmt[4];  // qkv, o_proj, gate_up, down_proj: 0 fp32, else a ggml type exact_qgemm reads (ggml_types.h)
   float eps_in, eps_post, scale, rope_base, rope_scale;
   // What a model family adds (model/families/), each 0 or 1; their weights follow the six in this order:
   int qkv_bias = 0;        // a bias (q|k|v width) added to the q/k/v product (Qwen2)

@@ -1,4 +1,4 @@
-// exact_quant: an MLX primitive computing x @ W.T with W read from GGUF Q4_1 / Q8_0 blocks.
+// exact_quant: an MLX primitive computing x @ W.T with W read from GGUF blocks (ggml_types.h's types).
 //
 // Why an MLX extension (a custom primitive with a CPU implementation): the product must sit
 // inside MLX's lazy graph, under mx.compile, evaluated on MLX's CPU stream like any matmul,
@@ -17,8 +17,8 @@
 //         set_attention_pool(on) -> previous: attention's items on the kernel's pool, or on
 //           threads started per call (tests: both give the same bits);
 //         block(...): a whole transformer block for many sessions (exact_layer.cpp; needs the kernel)
-//   x: float32 (..., K); blocks: uint8 (N, K / 32 * block bytes), row n = output feature n;
-//   fmt: ggml type id (3 = Q4_1, 8 = Q8_0). Returns float32 (..., N).
+//   x: float32 (..., K); blocks: uint8 (N, K / block weights * block bytes), row n = output feature n;
+//   fmt: ggml type id (ggml_types.h: F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K). Returns float32 (..., N).
 
 #include <dlfcn.h>
 
@@ -36,6 +36,7 @@
 #include "exact_exp_neon.h"
 #include "exact_layer.h"
 #include "exact_matmul.h"
+#include "ggml_types.h"
 
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/mlx.h"
@@ -58,9 +59,6 @@ bool linear(int fmt, int m, int n, int k, const float* x, const void* w, long ld
   return kernel(fmt, m, n, k, x, k, w, ldw, y, n) == 0;
 }
 
-constexpr int kQ4_1 = 3, kQ8_0 = 8, kBlock = 32;
-
-int block_bytes(int fmt) { return fmt == kQ4_1 ? 20 : fmt == kQ8_0 ? 34 : 0; }
 
 template <typename T>
 struct Strided {  // an input as the dispatched task sees it: its data, shape and strides
@@ -145,18 +143,18 @@ class ExactQuantMatmul : public mx::UnaryPrimitive {
 mx::array qmatmul(const mx::array& x, const mx::array& blocks, int fmt) {
   if (kernel == nullptr)
     throw std::runtime_error("exact_quant: no kernel bound; call bind_kernel(path of the exact-gemm library) first");
-  int bytes = block_bytes(fmt);
-  if (bytes == 0)
-    throw std::invalid_argument("exact_quant: fmt must be 3 (Q4_1) or 8 (Q8_0), got " + std::to_string(fmt));
+  if (ggml_type_bytes(fmt) == 0)
+    throw std::invalid_argument("exact_quant: fmt must be a ggml type id the kernel reads (1 F16, 2 Q4_0, 3 Q4_1, "
+                                "6 Q5_0, 7 Q5_1, 8 Q8_0, 12 Q4_K, 13 Q5_K, 14 Q6_K, 30 BF16), got " + std::to_string(fmt));
   if (x.dtype() != mx::float32 || x.ndim() < 1)
     throw std::invalid_argument("exact_quant: x must be float32 with at least one dimension");
   if (blocks.dtype() != mx::uint8 || blocks.ndim() != 2)
     throw std::invalid_argument("exact_quant: blocks must be a 2-D uint8 array (out features, block bytes)");
   auto k = x.shape(-1);
-  if (k % kBlock != 0 || blocks.shape(1) != k / kBlock * bytes) {
+  if (ggml_row_bytes(fmt, k) < 0 || blocks.shape(1) != ggml_row_bytes(fmt, k)) {
     std::ostringstream msg;
     msg << "exact_quant: x has " << k << " features but the blocks hold " << blocks.shape(1) << " bytes per row ("
-        << bytes << " per 32 features)";
+        << ggml_type_bytes(fmt) << " per " << ggml_type_weights(fmt) << " features)";
     throw std::invalid_argument(msg.str());
   }
   mx::Shape shape = x.shape();
@@ -208,7 +206,7 @@ mx::array block(const mx::array& h, const std::vector<mx::array>& weights, const
 
 NB_MODULE(_exact_quant, m) {
   nb::module_::import_("mlx.core");  // mx.array's bindings, shared through nanobind's domain
-  m.doc() = "x @ W.T with W in GGUF Q4_1/Q8_0 blocks, bitwise the exact-gemm fp32 product";
+  m.doc() = "x @ W.T with W in GGUF blocks, bitwise the exact-gemm fp32 product of gguf-py's dequantization";
   m.def("bind_kernel", &bind_kernel, nb::arg("path"), "Compute with exact_qgemm of this exact-gemm library.");
   m.def("is_bound", []() { return kernel != nullptr; });
   m.def(
@@ -235,7 +233,7 @@ NB_MODULE(_exact_quant, m) {
   m.def("matmul", &exact_matmul::matmul, nb::arg("x"), nb::arg("w"),
         "x (..., K) float32 @ w.T, w float32 (N, K): float32 (..., N), by the bound exact-gemm kernel (any rows)");
   m.def("qmatmul", &qmatmul, nb::arg("x"), nb::arg("blocks"), nb::arg("fmt"),
-        "x (..., K) float32 @ dequant(blocks).T, blocks uint8 (N, K/32*bytes): float32 (..., N)");
+        "x (..., K) float32 @ dequant(blocks).T, blocks uint8 (N, row bytes of K weights): float32 (..., N)");
   m.def(
       "block",
       [](const mx::array& h, const std::vector<mx::array>& weights, const std::vector<mx::array>& caches,

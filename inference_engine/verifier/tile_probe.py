@@ -11,8 +11,9 @@ and every position still holds a random row. The block sizes of one shape are ev
 as one lazy graph in groups, each reduced to one equal/unequal flag.
 
 Linears stored as GGUF blocks (model/gguf_blocks.py) are also checked against the fp32
-kernel: a block of rows through the quantized kernel must give bitwise the rows of the fp32
-product with the converter's dequantized weights. With both kernels row-invariant (the probe
+kernel, once per (shape, ggml type) the model serves, so every tensor type of a GGUF file is:
+a block of rows through the quantized kernel must give bitwise the rows of the fp32 product
+with gguf-py's dequantized weights. With both kernels row-invariant (the probe
 above, and the fp32 kernel by construction), that makes them equal at every block size.
 """
 
@@ -26,7 +27,7 @@ import numpy as np
 
 from inference_engine.model import native_kernels
 from inference_engine.model.fused_block import apply_linear, fused_linears, head_logits, linear_arrays, linear_kind
-from inference_engine.model.gguf_blocks import BlockEmbedding, BlockLinear, dequantize_blocks
+from inference_engine.model.gguf_blocks import FORMAT_NAMES, BlockConcat, BlockEmbedding, BlockLinear, dequantize_blocks
 
 REFERENCE_ROWS = 8192  # weight rows dequantized at a time for the fp32 reference (bounds its memory)
 REFERENCE_BLOCK = 64  # rows of the fp32 comparison: the exact-gemm kernel computes up to 64 rows itself
@@ -64,7 +65,7 @@ def _linears(model: nn.Module) -> dict[tuple[int, int], nn.Module]:
 
 
 def _in_dim(module: nn.Module) -> int:
-    if isinstance(module, BlockLinear):
+    if isinstance(module, (BlockLinear, BlockConcat)):
         return module.in_features
     if isinstance(module, nn.QuantizedLinear):
         return module.weight.shape[1] * 32 // module.bits
@@ -72,7 +73,7 @@ def _in_dim(module: nn.Module) -> int:
 
 
 def _out_dim(module: nn.Module) -> int:
-    return module.out_features if isinstance(module, BlockLinear) else module.weight.shape[0]
+    return module.out_features if isinstance(module, (BlockLinear, BlockConcat)) else module.weight.shape[0]
 
 
 def _fp32_reference(module: BlockLinear | BlockEmbedding):
@@ -142,35 +143,37 @@ def probe_tile(
     blocked = _block_stored(model)
     mismatches = fp32_mismatches(model, min(max_candidate, REFERENCE_BLOCK), rng)
     return ProbeResult(tile=tile, max_candidate=max_candidate, failures=tuple(failures), shapes=tuple(sorted(fns)),
-                       mismatches=mismatches, block_shapes=tuple(sorted(blocked)))
+                       mismatches=mismatches, block_shapes=tuple(sorted({(i, o) for i, o, _ in blocked})))
 
 
-def _block_stored(model: nn.Module) -> dict[tuple[int, int], BlockLinear | BlockEmbedding]:
-    """One block-stored linear per distinct (in, out) shape (fused ones included), and the LM head if blocks."""
-    linears = _linears(model)
-    for fused in fused_linears(model):
-        linears.setdefault((_in_dim(fused), _out_dim(fused)), fused)
-    found = {shape: m for shape, m in linears.items() if isinstance(m, BlockLinear)}
+def _block_stored(model: nn.Module) -> dict[tuple[int, int, int], BlockLinear | BlockEmbedding]:
+    """One block-stored linear per distinct (in, out, ggml type), over every layer (fused ones included),
+    and the embedding if it is blocks: every tensor type the model serves is checked, not only one per shape."""
+    found: dict[tuple[int, int, int], BlockLinear | BlockEmbedding] = {}
+    modules = [m for _, m in model.named_modules() if isinstance(m, BlockLinear)]
+    for m in [*fused_linears(model), *modules]:
+        if isinstance(m, BlockLinear):
+            found.setdefault((m.in_features, m.out_features, m.fmt), m)
     embed = model.model.embed_tokens
     if isinstance(embed, BlockEmbedding):
-        found[(embed.dims, model.args.vocab_size)] = embed
+        found[(embed.dims, model.args.vocab_size, embed.fmt)] = embed
     return found
 
 
 def fp32_mismatches(model: nn.Module, rows: int = REFERENCE_BLOCK, rng: np.random.Generator | None = None
                     ) -> tuple[str, ...]:
-    """Every block-stored shape of `model` against the fp32 kernel (`fp32_mismatch`); () if all equal.
+    """Every block-stored (shape, type) of `model` against the fp32 kernel (`fp32_mismatch`); () if all equal.
 
     Args:
         rows: rows of the compared block (at most REFERENCE_BLOCK).
     """
     rng = rng or np.random.default_rng(0)
     out = []
-    for (in_dim, out_dim), module in sorted(_block_stored(model).items()):
+    for (in_dim, out_dim, fmt), module in sorted(_block_stored(model).items()):
         fn = module.as_linear if isinstance(module, BlockEmbedding) else module
         mismatch = fp32_mismatch(fn, _fp32_reference(module), in_dim, rows, rng)
         if mismatch:
-            out.append(f"{in_dim}->{out_dim}: {mismatch}")
+            out.append(f"{in_dim}->{out_dim} {FORMAT_NAMES.get(fmt, fmt)}: {mismatch}")
     return tuple(out)
 
 
