@@ -84,18 +84,29 @@ def quantized_gemma(tmp_path_factory):
     write_family_gguf("gemma3_text", path, _types(1))
     served = load_served_model(str(path), "q4_1", tmp_path_factory.mktemp("cache"))
     e = assert_full_tile(Engine(served.loaded, exact=True, max_tile=16, plain_block=64, max_rollback=8))
-    yield served, e
+    yield served, e, path
     e.close()
 
 
-def test_a_gguf_is_served_from_fp32_and_says_why(quantized_gemma):
-    served, _ = quantized_gemma
-    assert served.weights == "fp32" and "gguf-py's fp32 dequantization" in served.note
+def test_a_gguf_is_served_from_its_blocks_bitwise_its_fp32_dequantization(quantized_gemma, tmp_path):
+    """--weights q4_1 (the default) serves the file's blocks of every type; --weights fp32 gguf-py's dequantization."""
+    from inference_engine.model.gguf_blocks import has_blocks
+
+    served, engine, path = quantized_gemma
+    assert served.weights == "q4_1" and served.note == "" and has_blocks(served.loaded.model)
+    fp32 = load_served_model(str(path), "fp32", tmp_path)
+    assert fp32.weights == "fp32" and not has_blocks(fp32.loaded.model)
+    e = Engine(fp32.loaded, exact=True, max_tile=16, plain_block=64, max_rollback=8)
+    try:
+        tokens = np.random.default_rng(2).integers(0, 256, 50).tolist()
+        assert feed(e, tokens, [50], 2, 12).state_digest() == feed(engine, tokens, [50], 2, 12).state_digest()
+    finally:
+        e.close()
 
 
 @pytest.mark.parametrize("plan", ["Nx1", "4 uneven", "random0"])
 def test_chunking_invariance_on_a_quantized_gguf(quantized_gemma, plan):
-    _, engine = quantized_gemma
+    _, engine, _ = quantized_gemma
     tokens = np.random.default_rng(2).integers(0, 256, 50).tolist()
     ref = feed(engine, tokens, [50], 2, 12)
     v = feed(engine, tokens, chunkings(50)[plan], 2, 12)
@@ -126,7 +137,7 @@ async def test_model_info_reports_family_formats_and_attention_kinds(quantized_g
     from inference_engine.v1 import runtime_pb2 as pb
     from tests.conftest import running_server
 
-    _, engine = quantized_gemma
+    _, engine, _ = quantized_gemma
     async with running_server(engine) as (stub, _):
         info = await stub.GetModelInfo(pb.GetModelInfoRequest())
     assert info.family == "gemma3_text"

@@ -82,7 +82,7 @@ def test_qmatmul_refuses_bad_arguments(kernel):
     x = mx.zeros((2, 64))
     q = mx.array(random_blocks(np.random.default_rng(0), Q4_1, 4, 64))
     cases = [
-        ((x, q, 2), "fmt must be 3"),
+        ((x, q, 10), "fmt must be a ggml type id the kernel reads"),  # Q2_K
         ((x.astype(mx.float16), q, Q4_1), "must be float32"),
         ((x[:, :32], q, Q4_1), "x has 32 features but the blocks hold 40 bytes per row"),
         ((x, q.reshape(2, 2, 40), Q4_1), "2-D uint8"),
@@ -233,7 +233,7 @@ def test_probe_catches_a_kernel_that_is_not_the_fp32_one(tiny_pair, kernel):
         found = fp32_mismatches(blocks.model, rows=8)
     finally:
         down.qmatmul = good
-    assert len(found) == 1 and found[0].startswith("128->64: M=8 rows [-1, 0, 1, 2] differ from the fp32 kernel")
+    assert len(found) == 1 and found[0].startswith("128->64 Q4_1: M=8 rows [-1, 0, 1, 2] differ from the fp32 kernel")
     assert fp32_mismatches(blocks.model, rows=8) == () and fp32_mismatches(random_model().model) == ()
 
 
@@ -248,8 +248,8 @@ def test_block_embedding_rows_in_both_formats(kernel):
         assert mx.array_equal(embed.as_linear(x), kernel.matmul(x, embed.dequantized())).item()
     with pytest.raises(ValueError, match="not 64 dims of ggml type 8"):
         BlockEmbedding(mx.array(blocks[:, :40]), Q8_0, 64, kernel.qmatmul)
-    with pytest.raises(ValueError, match="not 32 features of ggml type 2"):
-        BlockLinear(mx.zeros((4, 18), dtype=mx.uint8), 2, 32, kernel.qmatmul)
+    with pytest.raises(ValueError, match="not 32 features of ggml type 10"):  # Q2_K: no kernel
+        BlockLinear(mx.zeros((4, 18), dtype=mx.uint8), 10, 32, kernel.qmatmul)
     assert BLOCK_BYTES == {Q4_1: 20, Q8_0: 34}
 
 
@@ -258,8 +258,8 @@ def test_served_model_weights_choices(tiny_pair):
     with pytest.raises(ValueError, match="--weights 'int8' is not one of q4_1, fp32"):
         load_served_model(str(folder), "int8", folder)
     why = q4_1_unavailable(str(folder), folder)
-    assert why.startswith("q4_1 serves the Q4_1/Q8_0 blocks of packaged:smollm2-135m only; "
-                          f"--model {folder} is served from fp32")
+    assert why.startswith("q4_1 serves a GGUF's own blocks (packaged:smollm2-135m's, or a .gguf file's); "
+                          f"the folder --model {folder} is served from fp32")
     served = load_served_model(str(folder), "q4_1", folder)  # a folder model: fp32, and why
     assert served.weights == "fp32" and served.note == why and not has_blocks(served.loaded.model)
     assert load_served_model(str(folder), "fp32", folder).note == ""
@@ -311,7 +311,7 @@ def test_build_engine_falls_back_to_fp32_when_the_kernel_differs(served_tiny, ca
         down.qmatmul = kernel.qmatmul
     try:
         assert calls == ["q4_1", "fp32"] and server.engine_weights(engine) == "fp32"
-        assert "the q4_1 kernel differs from the fp32 kernel (128->64: M=" in caplog.text
+        assert "the q4_1 kernel differs from the fp32 kernel (128->64 Q4_1: M=" in caplog.text
     finally:
         engine.close()
 

@@ -26,7 +26,7 @@ import mlx.nn as nn
 import numpy as np
 
 from inference_engine.model.families import Family, family_of_model
-from inference_engine.model.gguf_blocks import BlockConcat, BlockLinear, QMatmul, fuse_formats
+from inference_engine.model.gguf_blocks import BlockLinear, QMatmul, fuse_formats
 from inference_engine.model import native_kernels
 from inference_engine.model.native_kernels import BlockPlan
 
@@ -40,24 +40,21 @@ class LinearKind:
     quant: tuple[int, int, str] | None  # (group_size, bits, mode) of a quantized linear, else None
     has_biases: bool  # a quantized linear's affine `biases` array is present
     has_bias: bool  # an additive bias follows the matmul
-    blocks: tuple[int | tuple[int, ...], QMatmul] | None = None  # (ggml type, kernel) of a BlockLinear, else None
-    # (a BlockConcat: its parts' types)
+    blocks: tuple[int, QMatmul] | None = None  # (ggml type, kernel) of a BlockLinear, else None
     matmul: Callable[[mx.array, mx.array], mx.array] | None = None  # fp32: the exact product primitive, else None
 
     @property
     def n_arrays(self) -> int:
         """How many arrays `linear_arrays` yields for this kind."""
         if self.blocks is not None:
-            return len(self.blocks[0]) if isinstance(self.blocks[0], tuple) else 1
+            return 1 + int(self.has_bias)
         return (1 if self.quant is None else 2 + int(self.has_biases)) + int(self.has_bias)
 
 
 def linear_kind(module: nn.Module) -> LinearKind:
     """The static facts of an nn.Linear / nn.QuantizedLinear / BlockLinear."""
     if isinstance(module, BlockLinear):
-        return LinearKind(None, False, False, (module.fmt, module.qmatmul))
-    if isinstance(module, BlockConcat):
-        return LinearKind(None, False, False, (module.formats, module.parts[0].qmatmul))
+        return LinearKind(None, False, "bias" in module, (module.fmt, module.qmatmul))
     quant = (module.group_size, module.bits, module.mode) if isinstance(module, nn.QuantizedLinear) else None
     is_fp32 = quant is None and module.weight.dtype == mx.float32
     matmul = native_kernels.exact_matmul() if is_fp32 else None  # fp32: the process's exact product
@@ -67,15 +64,13 @@ def linear_kind(module: nn.Module) -> LinearKind:
 def _array_names(module: nn.Module) -> tuple[str, ...]:
     """The names of the arrays `apply_linear` takes, in order: weight[, scales[, biases]][, bias] or blocks."""
     if isinstance(module, BlockLinear):
-        return ("blocks",)
+        return ("blocks", "bias") if "bias" in module else ("blocks",)
     names = _QUANT_ARRAYS if isinstance(module, nn.QuantizedLinear) else ("weight",)
     return tuple(n for n in (*names, "bias") if n in module)
 
 
 def linear_arrays(module: nn.Module) -> tuple[mx.array, ...]:
     """The arrays `apply_linear` takes: weight[, scales[, biases]][, bias], or a BlockLinear's blocks."""
-    if isinstance(module, BlockConcat):
-        return tuple(p.blocks for p in module.parts)
     return tuple(module[n] for n in _array_names(module))
 
 
@@ -83,9 +78,8 @@ def apply_linear(kind: LinearKind, x: mx.array, arrays: tuple[mx.array, ...]) ->
     """Exactly what nn.Linear / nn.QuantizedLinear / BlockLinear compute (same ops, so the same bits)."""
     if kind.blocks is not None:
         fmt, qmatmul = kind.blocks
-        if isinstance(fmt, tuple):  # a BlockConcat: each part its own product
-            return mx.concatenate([qmatmul(x, a, f) for a, f in zip(arrays, fmt)], axis=-1)
-        return qmatmul(x, arrays[0], fmt)
+        y = qmatmul(x, arrays[0], fmt)
+        return y + arrays[1] if kind.has_bias else y
     if kind.matmul is not None:  # fp32 on the exact kernel: bias added after, as the native block does
         y = kind.matmul(x, arrays[0])
         return y + arrays[1] if kind.has_bias else y
@@ -114,10 +108,17 @@ def head_logits(model: nn.Module, h: mx.array) -> mx.array:
 def concat_linears(parts: list[nn.Module]) -> nn.Module:
     """One linear whose output is the parts' outputs side by side; the parts become views of it.
 
-    Block linears of types without a common exact form stay separate arrays (a BlockConcat).
+    Block linears of types without a common exact form fuse as fp32 rows of gguf-py's dequantization
+    (the fp32 kernel's product is bitwise theirs), so the block still runs natively; their blocks stay.
     """
     if isinstance(parts[0], BlockLinear) and not fuse_formats(parts):
-        return BlockConcat(parts)
+        bias = "bias" in parts[0]
+        fused = nn.Linear(parts[0].in_features, sum(p.out_features for p in parts), bias=bias)
+        fused.weight = mx.concatenate([p.dequantized() for p in parts], axis=0)  # (out, in) fp32
+        if bias:
+            fused.bias = mx.concatenate([p["bias"] for p in parts])
+        mx.eval(fused.parameters())
+        return fused
     fused = copy.copy(parts[0])
     names = _array_names(parts[0])
     for n in names:
@@ -259,8 +260,6 @@ def _plan(s: _Shape, norms: tuple[mx.array, mx.array], extra_norms: tuple[mx.arr
     """
     formats = []
     for i, kind in enumerate(s.kinds):
-        if kind.blocks is not None and isinstance(kind.blocks[0], tuple):
-            return None, "a fused product over GGUF tensors of different types (one weight per product natively)"
         if kind.blocks is not None:
             formats.append(kind.blocks[0])
         elif kind.quant is None and (not kind.has_bias or i == 0):  # a bias on q/k/v only

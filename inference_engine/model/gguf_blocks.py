@@ -51,19 +51,18 @@ def as_q8_0(blocks: np.ndarray, fmt: int) -> np.ndarray:
     a Q8_0 block with the same fp16 d and int8 q dequantizes to q * d, the same single rounding
     of the same exact product. Lets q/k/v of mixed types (Q4_K_M files) fuse into one linear.
     """
+    if fmt not in (Q4_0, Q5_0):
+        raise ValueError(f"ggml type {fmt} has no exact Q8_0 form")
     n = blocks.shape[0]
-    size = TYPE_SIZES[fmt][1]
-    b = blocks.reshape(n, -1, size)  # (N, blocks, bytes)
+    b = blocks.reshape(n, -1, TYPE_SIZES[fmt][1])  # (N, blocks, bytes)
     qs = b[..., -16:]
     q = np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.int16)  # (N, blocks, 32)
     if fmt == Q5_0:
         qh = b[..., 2:6].copy().view(np.uint32)  # (N, blocks, 1)
         q |= ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int16) << 4
         q -= 16
-    elif fmt == Q4_0:
-        q -= 8
     else:
-        raise ValueError(f"ggml type {fmt} has no exact Q8_0 form")
+        q -= 8
     out = np.concatenate([b[..., 0:2], q.astype(np.int8).view(np.uint8)], axis=-1)  # (N, blocks, 34)
     return out.reshape(n, -1)
 
@@ -99,48 +98,19 @@ class BlockLinear(nn.Module):
         return int(self.blocks.shape[0])
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.qmatmul(x, self.blocks, self.fmt)
+        y = self.qmatmul(x, self.blocks, self.fmt)
+        return y + self["bias"] if "bias" in self else y  # a bias (qwen2's q/k/v): added once, as addmm does
 
     def dequantized(self) -> mx.array:
         """W in fp32 as the converter made it (the fp32 model's weight): a copy, for checks only."""
         return mx.array(dequantize_blocks(np.array(self.blocks), self.fmt))
 
 
-class BlockConcat(nn.Module):
-    """Block linears of different ggml types side by side: x @ [W_0; W_1; ...].T as one output.
-
-    A fused q/k/v (or gate/up) whose parts mix types with no common exact form (Q4_K with Q6_K,
-    as Q4_K_M files mix them): each part is its own product, the outputs concatenated; every
-    output column is still its own part's dot product, so the bits are the parts'.
-    """
-
-    def __init__(self, parts: list[BlockLinear]):
-        super().__init__()
-        self.parts = parts
-
-    @property
-    def in_features(self) -> int:
-        """Columns of x."""
-        return self.parts[0].in_features
-
-    @property
-    def out_features(self) -> int:
-        """The parts' rows together."""
-        return sum(p.out_features for p in self.parts)
-
-    @property
-    def formats(self) -> tuple[int, ...]:
-        """The parts' ggml types, in order."""
-        return tuple(p.fmt for p in self.parts)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return mx.concatenate([p(x) for p in self.parts], axis=-1)
-
-
 def fuse_formats(parts: list[BlockLinear]) -> bool:
     """Give block linears to be fused one ggml type where an exact common form exists; True if they share one.
 
-    Q4_0 / Q5_0 parts beside Q8_0 ones become Q8_0 blocks of the same weights (as_q8_0).
+    Q4_0 / Q5_0 parts beside Q8_0 ones become Q8_0 blocks of the same weights (as_q8_0). Other
+    mixes (Q4_K beside Q6_K, as Q4_K_M files of 256-divisible widths have) have none: False.
     """
     kinds = {p.fmt for p in parts}
     if len(kinds) == 1:

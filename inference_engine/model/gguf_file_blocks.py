@@ -10,8 +10,9 @@ path's bit for bit (the start-up probe checks every tensor type against the fp32
 
 q/k/v and gate/up are fused into one product each (fused_block.concat_linears): where a layer
 mixes Q4_0/Q5_0 with Q8_0 (Q4_K_M files do: Gemma-3-270M's attn_v), the Q4_0/Q5_0 rows become
-Q8_0 blocks of the very same weights (gguf_blocks.as_q8_0); other mixes stay one product per
-tensor (gguf_blocks.BlockConcat), computed as MLX pieces rather than the native block kernel.
+Q8_0 blocks of the very same weights (gguf_blocks.as_q8_0); other mixes (Q4_K with Q6_K) fuse
+as fp32 rows of gguf-py's dequantization, bitwise the same product, so every block runs on
+the native block kernel like the fp32 model's (at the memory of those rows in fp32).
 """
 
 from __future__ import annotations
@@ -50,7 +51,9 @@ def build_gguf_block_model(g: GgufFile, qmatmul: QMatmul) -> tuple[nn.Module, di
     names = {t.name: _mlx_name(family, t.name) for t in g.tensors}
     if hasattr(model, "sanitize"):  # structural only here: drops the head of a tied model, as mlx-lm's loader does
         model.sanitize({n: None for n in names.values()})
-    replaced = {_place(model, family, cfg, g, t, names[t.name], qmatmul) for t in g.tensors}
+    # Blocks first: a bias (qwen2's q/k/v) then lands on the BlockLinear that replaced its nn.Linear.
+    ordered = sorted(g.tensors, key=lambda t: not _is_blocks(t))
+    replaced = {_place(model, family, cfg, g, t, names[t.name], qmatmul) for t in ordered}
     missing = [k for k, _ in tree_flatten(model.parameters()) if k not in replaced]
     if missing:
         raise ValueError(f"{g.path.name} provides no tensor for {missing[:3]} ({len(missing)} parameters)")

@@ -27,7 +27,7 @@ import numpy as np
 
 from inference_engine.model import native_kernels
 from inference_engine.model.fused_block import apply_linear, fused_linears, head_logits, linear_arrays, linear_kind
-from inference_engine.model.gguf_blocks import FORMAT_NAMES, BlockConcat, BlockEmbedding, BlockLinear, dequantize_blocks
+from inference_engine.model.gguf_blocks import FORMAT_NAMES, BlockEmbedding, BlockLinear, dequantize_blocks
 
 REFERENCE_ROWS = 8192  # weight rows dequantized at a time for the fp32 reference (bounds its memory)
 REFERENCE_BLOCK = 64  # rows of the fp32 comparison: the exact-gemm kernel computes up to 64 rows itself
@@ -65,7 +65,7 @@ def _linears(model: nn.Module) -> dict[tuple[int, int], nn.Module]:
 
 
 def _in_dim(module: nn.Module) -> int:
-    if isinstance(module, (BlockLinear, BlockConcat)):
+    if isinstance(module, BlockLinear):
         return module.in_features
     if isinstance(module, nn.QuantizedLinear):
         return module.weight.shape[1] * 32 // module.bits
@@ -73,7 +73,7 @@ def _in_dim(module: nn.Module) -> int:
 
 
 def _out_dim(module: nn.Module) -> int:
-    return module.out_features if isinstance(module, (BlockLinear, BlockConcat)) else module.weight.shape[0]
+    return module.out_features if isinstance(module, BlockLinear) else module.weight.shape[0]
 
 
 def _fp32_reference(module: BlockLinear | BlockEmbedding):
@@ -90,7 +90,8 @@ def _fp32_reference(module: BlockLinear | BlockEmbedding):
             w = mx.array(dequantize_blocks(blocks[lo : lo + REFERENCE_ROWS], module.fmt))  # (rows, in)
             parts.append(x @ w.T if matmul is None else matmul(x, w))
             mx.eval(parts[-1])  # one slice of fp32 weights alive at a time
-        return mx.concatenate(parts, axis=-1)
+        y = mx.concatenate(parts, axis=-1)
+        return y + module["bias"] if "bias" in module else y  # a block linear's bias, added as it adds it
 
     return reference
 
@@ -150,7 +151,8 @@ def _block_stored(model: nn.Module) -> dict[tuple[int, int, int], BlockLinear | 
     """One block-stored linear per distinct (in, out, ggml type), over every layer (fused ones included),
     and the embedding if it is blocks: every tensor type the model serves is checked, not only one per shape."""
     found: dict[tuple[int, int, int], BlockLinear | BlockEmbedding] = {}
-    modules = [m for _, m in model.named_modules() if isinstance(m, BlockLinear)]
+    modules = nn.utils.tree_flatten(model.leaf_modules(), is_leaf=lambda m: isinstance(m, nn.Module))
+    modules = [m for _, m in modules if isinstance(m, BlockLinear)]  # in _linears' order
     for m in [*fused_linears(model), *modules]:
         if isinstance(m, BlockLinear):
             found.setdefault((m.in_features, m.out_features, m.fmt), m)
