@@ -1,7 +1,9 @@
 /*
  * exact_kqtiles.h: products over rows of F16, BF16, Q4_0, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K blocks,
  * instantiated once per instruction set like exact_qtiles.h (QV, QTARGET, STEP, WIDEN_U8 and
- * WIDEN_S8 defined; exact_tiles.h's tile_nt and dequant_scratch in scope).
+ * HALVES defined; exact_tiles.h's tile_nt and dequant_scratch in scope). HALVES(p, &a, &b) reads
+ * the two fp16 at p and p + 2 into every lane of a and b (exactly: every fp16 is a float); where
+ * a block has one fp16 scale the other lane set is simply unused.
  *
  * Each group of 32 weights is dequantized with gguf-py's arithmetic (ggml_kquants.h) into 4
  * vectors and fed to the fp32 kernel's per-element code: lane j of an accumulator takes k = j,
@@ -23,7 +25,8 @@ QTARGET INLINE void QV(kq_block)(int fmt, const uint8_t *row, int b, v8 w[4]) {
     }
     case GGML_TYPE_Q4_0: { /* weight i < 16: low nibble of byte i; 16 + i: its high nibble */
         const uint8_t *p = row + (size_t)18 * b;
-        float d = half_to_float(p);
+        v8 d, unused;
+        HALVES(p, &d, &unused);
         v8i lo = WIDEN_U8(p + 2), hi = WIDEN_U8(p + 10);
         w[0] = scaled_group(d, (lo & 15) - 8);
         w[1] = scaled_group(d, (hi & 15) - 8);
@@ -35,7 +38,8 @@ QTARGET INLINE void QV(kq_block)(int fmt, const uint8_t *row, int b, v8 w[4]) {
     case GGML_TYPE_Q5_1: { /* Q4_0's nibbles (Q4_1's with m), bit i of the 32-bit qh on top of weight i */
         int affine = fmt == GGML_TYPE_Q5_1;
         const uint8_t *p = row + (size_t)(affine ? 24 : 22) * b, *qh = p + (affine ? 4 : 2), *qs = qh + 4;
-        float d = half_to_float(p), m = affine ? half_to_float(p + 2) : 0.0f;
+        v8 d, m; /* Q5_0: m is qh's first bytes, unused */
+        HALVES(p, &d, &m);
         v8i lo = WIDEN_U8(qs), hi = WIDEN_U8(qs + 8);
         v8i q[4] = {lo & 15, hi & 15, lo >> 4, hi >> 4};
         for (int g = 0; g < 4; ++g) {
@@ -50,7 +54,9 @@ QTARGET INLINE void QV(kq_block)(int fmt, const uint8_t *row, int b, v8 w[4]) {
         const uint8_t *p = row + (size_t)(five ? 176 : 144) * (b >> 3);
         const uint8_t *qs = p + (five ? 48 : 16) + 32 * (j >> 1), *qh = p + 16;
         k_scale_min(p + 4, j, &sc, &mn);
-        float dd = half_to_float(p) * (float)sc, dm = half_to_float(p + 2) * (float)mn;
+        v8 d, dmin;
+        HALVES(p, &d, &dmin);
+        v8 dd = d * splat8((float)sc), dm = dmin * splat8((float)mn); /* gguf-py's d * sc, dmin * mn */
         for (int g = 0; g < 4; ++g) {
             v8i q = WIDEN_U8(qs + 8 * g) >> (4 * (j & 1)) & 15;
             if (five) /* bit j of qh[i] on top of weight i */
@@ -64,10 +70,12 @@ QTARGET INLINE void QV(kq_block)(int fmt, const uint8_t *row, int b, v8 w[4]) {
         const uint8_t *p = row + (size_t)210 * (b >> 3);
         const uint8_t *ql = p + 64 * h + 32 * (r & 1), *qh = p + 128 + 32 * h;
         const int8_t *scales = (const int8_t *)(p + 192) + 2 * j; /* one per 16 weights */
-        float d = half_to_float(p + 208);
+        v8 unused, d;
+        HALVES(p + 206, &unused, &d); /* d is the block's last two bytes */
+        v8 dl[2] = {d * splat8((float)scales[0]), d * splat8((float)scales[1])}; /* gguf-py's d * sc */
         for (int g = 0; g < 4; ++g) {
             v8i q = (WIDEN_U8(ql + 8 * g) >> (4 * (r >> 1)) & 15) | (WIDEN_U8(qh + 8 * g) >> (2 * r) & 3) << 4;
-            w[g] = scaled_group(d * (float)scales[g >> 1], q - 32);
+            w[g] = scaled_group(dl[g >> 1], q - 32);
         }
         return;
     }

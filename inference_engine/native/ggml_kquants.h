@@ -59,14 +59,16 @@ INLINE v8i widen_u16(const uint8_t *p) {
     return __builtin_convertvector(v, v8i);
 }
 
+/* The scales below come in every lane (the tiles' HALVES, or a product of two such vectors). */
+
 /* d * float(q): Q4_0, Q5_0 (q already offset), and Q6_K's (d * sc) * float(q). */
-INLINE v8 scaled_group(float d, v8i q) { return splat8(d) * __builtin_convertvector(q, v8); }
+INLINE v8 scaled_group(v8 d, v8i q) { return d * __builtin_convertvector(q, v8); }
 
 /* (d * float(q)) + m: Q5_1 (Q4_1's arithmetic, two roundings). */
-INLINE v8 affine_group(float d, float m, v8i q) { return splat8(d) * __builtin_convertvector(q, v8) + splat8(m); }
+INLINE v8 affine_group(v8 d, v8 m, v8i q) { return d * __builtin_convertvector(q, v8) + m; }
 
 /* (dd * float(q)) - dm: Q4_K and Q5_K, dd = d * sc and dm = dmin * mn already rounded. */
-INLINE v8 kmin_group(float dd, float dm, v8i q) { return splat8(dd) * __builtin_convertvector(q, v8) - splat8(dm); }
+INLINE v8 kmin_group(v8 dd, v8 dm, v8i q) { return dd * __builtin_convertvector(q, v8) - dm; }
 
 /* Sub-block j's (0..7) 6-bit scale and min of a Q4_K / Q5_K super-block (gguf-py's get_scale_min). */
 INLINE void k_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
