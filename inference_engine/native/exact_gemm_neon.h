@@ -73,6 +73,7 @@ INLINE v8 q4_1_group_neon(v8 d, v8 m, v8i nibbles) { /* d * q exact, so fused = 
 #define Q4_1_GROUP q4_1_group_neon
 #include "exact_tiles.h"
 #include "exact_qtiles.h"
+#include "exact_kqtiles.h" /* F16 .. Q6_K: the portable decode code, NEON steps */
 #undef QV
 #undef QTARGET
 #undef STEP
