@@ -194,20 +194,15 @@ def build_gguf_model(g: GgufFile) -> tuple[nn.Module, dict[str, Any]]:
     return model, cfg
 
 
-def load_gguf(path: Path, cache_dir: Path | None = None, qmatmul: Any = None) -> tuple[nn.Module, dict[str, Any], Any]:
+def load_gguf(path: Path, cache_dir: Path | None = None, build: Any = None) -> tuple[nn.Module, dict[str, Any], Any]:
     """(model, config, tokenizer) of a GGUF file (see `build_gguf_model`, `gguf_tokenizer`).
 
     Args:
-        qmatmul: the exact block kernel (quant_kernel.py): the file's blocks served as stored
-            (gguf_file_blocks.py); None: fp32 dequantization.
+        build: (GgufFile) -> (model, config) building the model another way (gguf_file_blocks: the
+            file's blocks as stored); None: `build_gguf_model`, fp32 dequantization.
     """
     g = read_gguf(path)
-    if qmatmul is None:
-        model, cfg = build_gguf_model(g)
-    else:
-        from inference_engine.model.gguf_file_blocks import build_gguf_block_model
-
-        model, cfg = build_gguf_block_model(g, qmatmul)
+    model, cfg = (build or build_gguf_model)(g)
     eos = g.get("tokenizer.ggml.eos_token_id")
     cfg["eos_token_id"] = [] if eos is None else [int(eos)]
     cfg["gguf_types"] = sorted({t.type_name for t in g.tensors})

@@ -103,9 +103,11 @@ def load_gguf_model(path: Path, cache_dir: Path | None = None, qmatmul: QMatmul 
     Raises:
         ValueError: an unsupported architecture or tensor type (named).
     """
+    from inference_engine.model.gguf_file_blocks import build_gguf_block_model
     from inference_engine.model.gguf_model import load_gguf
 
-    model, config, tokenizer = load_gguf(path, cache_dir, qmatmul)
+    build = None if qmatmul is None else (lambda g: build_gguf_block_model(g, qmatmul))
+    model, config, tokenizer = load_gguf(path, cache_dir, build)
     materialize_private_arrays(model)
     formats = tuple(config["gguf_types"])
     return LoadedModel(model, spec_of(model, path.stem, tuple(config["eos_token_id"]), formats=formats), tokenizer)
