@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from inference_engine.model.families import family_of_model
-from inference_engine.model.fused_block import concat_linears, fused_block
+from inference_engine.model.fused_block import apply_linear, concat_linears, fused_block, linear_arrays, linear_kind
 from inference_engine.model.gguf_blocks import Q4_0, Q5_0, Q8_0, BlockLinear, as_q8_0, dequantize_blocks, fuse_formats
 from inference_engine.model.gguf_file_blocks import served_types
 from inference_engine.model.loader import load_gguf_model
@@ -75,7 +75,14 @@ def test_mixed_types_fuse_or_stay_separate(qmatmul):
     assert not fuse_formats(parts)
     mixed = concat_linears(parts)  # no common form: fp32 rows of gguf-py's dequantization
     assert type(mixed) is nn.Linear and mixed.weight.shape == (12, 256)
-    assert np.array(mixed(x)).tobytes() == np.array(mx.concatenate([p(x) for p in parts], axis=-1)).tobytes()
+    exact = apply_linear(linear_kind(mixed), x, linear_arrays(mixed))  # the exact fp32 kernel, as served
+    assert np.array(exact).tobytes() == np.array(mx.concatenate([p(x) for p in parts], axis=-1)).tobytes()
+    dense = nn.Linear(256, 4, bias=False)  # a GGUF may store a part F32: blocks beside it fuse as fp32 rows too
+    parts = [linear("Q8_0", 8), dense]
+    beside = concat_linears(parts)
+    assert type(beside) is nn.Linear and beside.weight.shape == (12, 256)
+    want = mx.concatenate([parts[0](x), apply_linear(linear_kind(dense), x, linear_arrays(dense))], axis=-1)
+    assert np.array(apply_linear(linear_kind(beside), x, linear_arrays(beside))).tobytes() == np.array(want).tobytes()
 
 
 def test_a_block_of_mixed_qkv_types_still_runs_natively(tmp_path, qmatmul):

@@ -108,13 +108,16 @@ def head_logits(model: nn.Module, h: mx.array) -> mx.array:
 def concat_linears(parts: list[nn.Module]) -> nn.Module:
     """One linear whose output is the parts' outputs side by side; the parts become views of it.
 
-    Block linears of types without a common exact form fuse as fp32 rows of gguf-py's dequantization
-    (the fp32 kernel's product is bitwise theirs), so the block still runs natively; their blocks stay.
+    Block linears of types without a common exact form (or beside fp32 linears, as a GGUF may store
+    some tensors F32) fuse as fp32 rows of gguf-py's dequantization (the fp32 kernel's product is
+    bitwise theirs), so the block still runs natively; their blocks stay.
     """
-    if isinstance(parts[0], BlockLinear) and not fuse_formats(parts):
+    blocks = [isinstance(p, BlockLinear) for p in parts]
+    if any(blocks) and not (all(blocks) and fuse_formats(parts)):  # mixed types, or blocks beside fp32 parts
         bias = "bias" in parts[0]
-        fused = nn.Linear(parts[0].in_features, sum(p.out_features for p in parts), bias=bias)
-        fused.weight = mx.concatenate([p.dequantized() for p in parts], axis=0)  # (out, in) fp32
+        weights = [p.dequantized() if isinstance(p, BlockLinear) else p.weight for p in parts]  # (out, in) fp32
+        fused = nn.Linear(weights[0].shape[1], sum(w.shape[0] for w in weights), bias=bias)
+        fused.weight = mx.concatenate(weights, axis=0)
         if bias:
             fused.bias = mx.concatenate([p["bias"] for p in parts])
         mx.eval(fused.parameters())
