@@ -147,6 +147,64 @@ void qgemm(Rng& rng) {  // x @ W.T with W in GGUF blocks: one row, register tile
       }
 }
 
+// The GGUF block types beyond Q4_1 / Q8_0 (native/ggml_types.h ids): every byte random but the
+// fp16 scales (finite, one subnormal d in seven) and the F16 / BF16 weights (finite: NaN bits are
+// not the same on every CPU, and no model holds them).
+struct BlockType {
+  const char* name;
+  int fmt, weights, bytes;
+  int halves[2];  // byte offsets of the block's fp16 scales (-1: none)
+};
+const BlockType kBlockTypes[] = {
+    {"q4_0", 2, 32, 18, {0, -1}},   {"q5_0", 6, 32, 22, {0, -1}},   {"q5_1", 7, 32, 24, {0, 2}},
+    {"q4_k", 12, 256, 144, {0, 2}}, {"q5_k", 13, 256, 176, {0, 2}}, {"q6_k", 14, 256, 210, {208, -1}},
+    {"f16", 1, 32, 64, {-1, -1}},   {"bf16", 30, 32, 64, {-1, -1}},
+};
+
+std::vector<uint8_t> random_typed_blocks(Rng& rng, const BlockType& t, int n, int k) {
+  std::vector<uint8_t> q(static_cast<size_t>(n) * (k / t.weights) * t.bytes);
+  for (size_t b = 0; b < q.size() / t.bytes; ++b) {
+    uint8_t* blk = q.data() + b * t.bytes;
+    for (int i = 0; i < t.bytes; ++i)
+      blk[i] = static_cast<uint8_t>(rng.next() >> 56);
+    for (int j = 0; j < 32 && (t.fmt == 1 || t.fmt == 30); ++j) {  // F16 / BF16 weights
+      uint16_t w = random_half(rng, 1, 30);
+      if (t.fmt == 30) {  // the top half of a finite fp32
+        float f = rng.uniform() * 8.0f;
+        uint32_t u;
+        std::memcpy(&u, &f, 4);
+        w = static_cast<uint16_t>(u >> 16);
+      }
+      std::memcpy(blk + 2 * j, &w, 2);
+    }
+    for (int h : t.halves)
+      if (h >= 0) {
+        uint16_t d = b % 7 == 3 && h == t.halves[0] ? static_cast<uint16_t>(rng.next() & 0x3ff) : random_half(rng, 1, 14);
+        std::memcpy(blk + h, &d, 2);
+      }
+  }
+  return q;
+}
+
+void typed_qgemm(Rng& rng) {  // every other block type the server reads: one row, tiles, scratch tiles
+  const int rows[] = {1, 2, 3, 5, 8, 13, 17, 33};
+  const int shapes[][2] = {{1, 256}, {3, 256}, {5, 512}, {9, 256}};
+  for (const auto& t : kBlockTypes)
+    for (int m : rows)
+      for (const auto& s : shapes) {
+        int n = s[0], k = s[1];
+        auto q = random_typed_blocks(rng, t, n, k);
+        auto a = rng.floats(static_cast<size_t>(m) * k);
+        std::vector<float> c(static_cast<size_t>(m) * n, NAN);
+        long ldq = static_cast<long>(q.size() / n);
+        if (exact_qgemm(t.fmt, m, n, k, a.data(), k, q.data(), ldq, c.data(), n) != 0) {
+          std::fprintf(stderr, "exact_qgemm refused %s %dx%dx%d\n", t.name, m, n, k);
+          std::exit(2);
+        }
+        emit(tag(t.name, {m, n, k}), c.data(), c.size());
+      }
+}
+
 // -------------------------------------------------------------------- elementwise math
 
 std::vector<float> exp_inputs() {  // a sweep of [-110, 95] (subnormal and overflowing results), specials
@@ -265,5 +323,6 @@ int main() {
   qgemm(rng);
   elementwise(rng);
   attention(rng);
+  typed_qgemm(rng);  // last: the tensors above keep the inputs they had before it was added
   return 0;
 }
