@@ -19,7 +19,6 @@ import grpc
 import numpy as np
 import pytest
 
-from inference_engine.blas import active_blas
 from inference_engine.config import add_server_flags, config_from_args
 from inference_engine.errors import InvalidRequest
 from inference_engine.model.loader import model_fingerprint
@@ -27,6 +26,7 @@ from inference_engine.readiness import wait_ready
 from inference_engine.runtime.engine import Engine
 from inference_engine.server import server as server_module
 from inference_engine.server.server import connect_shards
+from inference_engine.serving_path import kernels_in_use
 from inference_engine.shard.client.route import ShardRoute
 from inference_engine.shard.client.route_backend import RouteBackend
 from inference_engine.v1 import runtime_pb2 as pb
@@ -198,7 +198,7 @@ async def test_connect_shards_checks_the_route(workers, real_model, real_engine,
     try:
         route, supervisor = await connect_shards(make_config(shards=tuple(addresses)), engine)
         assert supervisor is None and engine.backend.route is route and route.pipeline.max_rollback >= 9
-        fingerprint, kernels = model_fingerprint(real_model.model), active_blas()
+        fingerprint, kernels = model_fingerprint(real_model.model), kernels_in_use()  # what the server checks the route with
         with pytest.raises(InvalidRequest, match="needs block 4096 .* and rollback 9"):
             route.check_serves(fingerprint, kernels, 4096, 9)
         with pytest.raises(InvalidRequest, match="this server loaded"):
@@ -207,7 +207,7 @@ async def test_connect_shards_checks_the_route(workers, real_model, real_engine,
             route.check_serves(fingerprint, "reference: bundled", 1, 1)
         await route.stop()
         with monkeypatch.context() as m:  # a server on other kernels than its workers refuses the route
-            m.setattr(server_module, "active_blas", lambda: "reference: bundled")
+            m.setattr(server_module, "kernels_in_use", lambda: "reference: bundled")
             with pytest.raises(OSError, match="same BLAS and kernel"):
                 await connect_shards(make_config(shards=tuple(addresses)), engine)
     finally:
