@@ -12,8 +12,11 @@ import grpc
 import jsonschema
 import pytest
 
+from inference_engine.model.loader import load_model
+from inference_engine.runtime.engine import Engine
 from inference_engine.v1 import runtime_pb2 as pb
 from tests.conftest import running_server
+from tests.kernel_guard import assert_full_tile
 
 pytestmark = pytest.mark.real_model
 
@@ -217,6 +220,50 @@ async def test_constrained_streams_are_the_same_bits_for_every_burst_mode_and_co
                 _forked_bursts(stub, base, 80, 7, pb.Constraint(json_object=True), **kw),
             )
             assert together[0] == (ref, reason)
+
+
+async def _counted_bursts(stub, sid: str, n: int, width: int, constraint: pb.Constraint,
+                          **kw) -> tuple[list[int], int, int, int]:
+    """Tokens of bursts of `width` (as `_bursts`), the last stop reason, and the drafts drafted and accepted."""
+    tokens, drafted, accepted = [], 0, 0
+    while len(tokens) < n:
+        msgs = await _generate(stub, sid, min(width, n - len(tokens)), constraint, **kw)
+        tokens += [t for m in msgs for t in m.tokens]
+        drafted, accepted = drafted + msgs[-1].drafted_tokens, accepted + msgs[-1].accepted_tokens
+        if msgs[-1].stop_reason != pb.STOP_REASON_MAX_TOKENS:
+            return tokens, msgs[-1].stop_reason, drafted, accepted
+    return tokens, pb.STOP_REASON_MAX_TOKENS, drafted, accepted
+
+
+async def test_draft_model_speculation_under_a_constraint_is_the_plain_constrained_stream(real_model, real_model_path):
+    """The packaged q4 model drafts for the fp32 target: drafts (unconstrained proposals cut to what the constraint
+    allows) are verified against the masked draw, so the stream is the plain constrained one, greedy and seeded."""
+    schema = {"type": "object", "properties": {"name": S, "colors": {"type": "array", "items": S, "maxItems": 3}},
+              "required": ["name", "colors"], "additionalProperties": False}
+    constraint = pb.Constraint(json_schema=json.dumps(schema))
+    draft = load_model(real_model_path.parent / "q4")
+    engine = assert_full_tile(Engine(real_model, exact=True, max_tile=16, plain_block=64, max_rollback=8, draft=draft))
+    counts = []  # (drafted, accepted) per speculative stream
+    try:
+        async with running_server(engine) as (stub, _):
+            base = await _session(stub, "Describe a fruit as JSON with its name and colors.")
+            for kw in ({}, SEEDED):
+                sid = await _fork(stub, base)
+                plain, reason, drafted, _ = await _counted_bursts(stub, sid, 48, 48, constraint, **kw)
+                await stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
+                assert reason == pb.STOP_REASON_CONSTRAINT_COMPLETE and drafted == 0
+                jsonschema.validate(json.loads(real_model.tokenizer.decode(plain)), schema)
+                for width in (48, 5):  # one call, and bursts (drafts never cross a burst edge)
+                    sid = await _fork(stub, base)
+                    spec = dict(mode=pb.DECODE_MODE_SPECULATIVE_DRAFT, num_draft_tokens=4, **kw)
+                    *got, drafted, accepted = await _counted_bursts(stub, sid, 48, width, constraint, **spec)
+                    assert got == [plain, reason], (width, kw)
+                    assert drafted > 0 and accepted > 0, (width, kw, drafted, accepted)
+                    counts.append((drafted, accepted))
+                    await stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
+    finally:
+        engine.close()
+    assert any(accepted < drafted for drafted, accepted in counts), counts  # the reject path ran too
 
 
 async def test_bad_constraints_are_invalid_argument_and_leave_the_session_intact(real_engine):
