@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import re
 import signal
@@ -16,6 +17,7 @@ import sys
 import time
 
 import grpc
+import jsonschema
 import numpy as np
 import pytest
 
@@ -269,6 +271,50 @@ async def test_route_samples_bitwise_the_single_process(workers, real_model, rea
     async with route_engine(real_model, addresses, 5.0) as engine, running_server(engine) as (stub, _):
         got = await run(stub)
     assert got == want and len(want[0]) == 24 and len(set(want[0])) > 5
+
+
+async def test_route_serves_a_constrained_stream_bitwise_the_single_process(workers, real_model, real_engine):
+    """A JSON-schema constrained stream on the 3-worker route (greedy in one call; seeded in bursts with prompt
+    lookup, so drafts are rolled back on the workers, past the window wrap) equals one process, stop reason too."""
+    _, addresses = workers
+    colors = {"type": "array", "items": {"enum": ["red", "green", "yellow"]}, "maxItems": 3}
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "colors": colors},
+              "required": ["name", "colors"], "additionalProperties": False}
+    constraint = pb.Constraint(json_schema=json.dumps(schema))
+    text = 'Repeat this JSON exactly: {"name": "banana", "colors": ["yellow", "green"]}'
+    messages = [pb.ChatMessage(role="user", content=text)]
+
+    async def run(stub) -> list[tuple[list[int], int, str, list[int]]]:
+        """Per arm: tokens, stop reason, state digest, [drafted, accepted]."""
+        out = []
+        for width, kw in ((48, {}), (5, dict(mode=pb.DECODE_MODE_SPECULATIVE_LOOKUP, temperature=0.6, seed=7))):
+            sid = (await stub.CreateSession(pb.CreateSessionRequest(sink_tokens=SINK, window_tokens=WINDOW))).session_id
+            await stub.AppendTokens(pb.AppendTokensRequest(session_id=sid, messages=messages,
+                                                           add_generation_prompt=True))
+            tokens, reason, drafts = [], pb.STOP_REASON_MAX_TOKENS, [0, 0]
+            while reason == pb.STOP_REASON_MAX_TOKENS and len(tokens) < 48:
+                msgs = [m async for m in stub.Generate(pb.GenerateRequest(
+                    session_id=sid, max_new_tokens=min(width, 48 - len(tokens)), constraint=constraint,
+                    num_draft_tokens=4, **kw))]
+                tokens, reason = tokens + [t for m in msgs for t in m.tokens], msgs[-1].stop_reason
+                drafts = [drafts[0] + msgs[-1].drafted_tokens, drafts[1] + msgs[-1].accepted_tokens]
+            info = await stub.GetSessionInfo(pb.GetSessionInfoRequest(session_id=sid))
+            assert info.history_length > SINK + WINDOW  # the ring wrapped
+            out.append((tokens, reason, info.state_digest, drafts))
+            await stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
+        return out
+
+    async with running_server(real_engine) as (stub, _):
+        want = await run(stub)
+    async with route_engine(real_model, addresses, 5.0) as engine, running_server(engine) as (stub, _):
+        got = await run(stub)
+        assert engine.backend.route.pipeline.hop_stats()[2].calls > 0
+    assert got == want
+    drafted, accepted = want[1][3]
+    assert 0 < accepted < drafted, want[1][3]  # prompt lookup drafts were accepted, and one rolled back
+    for tokens, reason, _, _ in want:
+        assert reason == pb.STOP_REASON_CONSTRAINT_COMPLETE
+        jsonschema.validate(json.loads(real_model.tokenizer.decode(tokens)), schema)
 
 
 async def test_a_stopped_worker_fails_generate_unavailable_within_the_recovery_timeout(workers, real_model,
