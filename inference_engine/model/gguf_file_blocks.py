@@ -27,7 +27,7 @@ from mlx.utils import tree_flatten
 from inference_engine.model.families import Family, family_of_gguf
 from inference_engine.model.gguf_blocks import FORMAT_NAMES, BlockEmbedding, BlockLinear, QMatmul, _parent, row_bytes
 from inference_engine.model.gguf_convert import _unpermute_rows
-from inference_engine.model.gguf_model import _mlx_name, check_tensor_types, dequantize, gguf_config
+from inference_engine.model.gguf_model import _mlx_name, check_tensor_types, dequantize, gguf_config, mark_norms_stored
 from inference_engine.model.gguf_reader import GgufFile, TensorInfo
 
 def _is_blocks(t: TensorInfo) -> bool:
@@ -58,10 +58,7 @@ def build_gguf_block_model(g: GgufFile, qmatmul: QMatmul) -> tuple[nn.Module, di
     if missing:
         raise ValueError(f"{g.path.name} provides no tensor for {missing[:3]} ({len(missing)} parameters)")
     mx.eval(model.parameters())
-    if family.gguf_norms_plus_one:  # the stored norms are `1 + w` already: read them as they are
-        model.__dict__["_norms_effective"] = True
-        for layer in model.model.layers:
-            layer.__dict__["_norms_effective"] = True
+    mark_norms_stored(model, family)
     return model, cfg
 
 

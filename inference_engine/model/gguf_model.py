@@ -187,10 +187,7 @@ def build_gguf_model(g: GgufFile) -> tuple[nn.Module, dict[str, Any]]:
         weights = model.sanitize(weights)  # drops a tied head, as mlx-lm's loader does
     model.load_weights(list(weights.items()), strict=True)
     mx.eval(model.parameters())
-    if family.gguf_norms_plus_one:  # the stored norms are `1 + w` already: read them as they are
-        model.__dict__["_norms_effective"] = True
-        for layer in model.model.layers:
-            layer.__dict__["_norms_effective"] = True
+    mark_norms_stored(model, family)
     return model, cfg
 
 
@@ -207,3 +204,11 @@ def load_gguf(path: Path, cache_dir: Path | None = None, build: Any = None) -> t
     cfg["eos_token_id"] = [] if eos is None else [int(eos)]
     cfg["gguf_types"] = sorted({t.type_name for t in g.tensors})
     return model, cfg, gguf_tokenizer(g, cache_dir)
+
+
+def mark_norms_stored(model: nn.Module, family: Family) -> None:
+    """A family whose GGUF stores its norms as `1 + w` (Gemma) reads them as they are, not adding 1 again."""
+    if family.gguf_norms_plus_one:
+        model.__dict__["_norms_effective"] = True
+        for layer in model.model.layers:
+            layer.__dict__["_norms_effective"] = True

@@ -24,43 +24,6 @@ namespace {
 
 Gemm kernel = nullptr;  // exact_sgemm_nt of the bound exact-gemm library
 
-// Row-major elements of `a` (a transposed or sliced activation): the data itself, or a copy.
-const float* packed(const float* data, bool contiguous, const std::vector<int64_t>& shape,
-                    const std::vector<int64_t>& strides, std::vector<float>& buf) {
-  if (contiguous)
-    return data;
-  size_t total = 1;
-  for (auto e : shape)
-    total *= static_cast<size_t>(e);
-  buf.resize(total);
-  std::vector<int64_t> index(shape.size(), 0);
-  for (size_t i = 0; i < total; ++i) {
-    int64_t at = 0;
-    for (size_t d = 0; d < shape.size(); ++d)
-      at += index[d] * strides[d];
-    buf[i] = data[at];
-    for (size_t d = shape.size(); d-- > 0;) {
-      if (++index[d] < shape[d])
-        break;
-      index[d] = 0;
-    }
-  }
-  return buf.data();
-}
-
-struct View {  // an input as the dispatched task sees it
-  const float* data;
-  bool contiguous;
-  std::vector<int64_t> shape, strides;
-
-  static View of(const mx::array& a) {
-    return {a.data<float>(), a.flags().row_contiguous && a.data_size() == a.size(),
-            std::vector<int64_t>(a.shape().begin(), a.shape().end()),
-            std::vector<int64_t>(a.strides().begin(), a.strides().end())};
-  }
-  const float* rows(std::vector<float>& buf) const { return packed(data, contiguous, shape, strides, buf); }
-};
-
 class ExactMatmul : public mx::UnaryPrimitive {
  public:
   explicit ExactMatmul(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
@@ -75,9 +38,9 @@ class ExactMatmul : public mx::UnaryPrimitive {
     encoder.set_input_array(x);
     encoder.set_input_array(w);
     encoder.set_output_array(out);
-    encoder.dispatch([m, n, k, x = View::of(x), w = View::of(w), c = out.data<float>()]() {
+    encoder.dispatch([m, n, k, x = Strided<float>::of(x), w = Strided<float>::of(w), c = out.data<float>()]() {
       std::vector<float> xbuf, wbuf;
-      if (!rows(m, n, k, x.rows(xbuf), w.rows(wbuf), k, c))
+      if (!rows(m, n, k, x.packed(xbuf), w.packed(wbuf), k, c))
         throw std::runtime_error("exact_sgemm_nt refused its arguments");
     });
   }

@@ -59,40 +59,7 @@ bool linear(int fmt, int m, int n, int k, const float* x, const void* w, long ld
   return kernel(fmt, m, n, k, x, k, w, ldw, y, n) == 0;
 }
 
-
-template <typename T>
-struct Strided {  // an input as the dispatched task sees it: its data, shape and strides
-  const T* data;
-  bool contiguous;
-  std::vector<int64_t> shape, strides;
-
-  static Strided of(const mx::array& a) {
-    std::vector<int64_t> shape(a.shape().begin(), a.shape().end()), strides(a.strides().begin(), a.strides().end());
-    return {a.data<T>(), a.flags().row_contiguous && a.data_size() == a.size(), shape, strides};
-  }
-
-  const T* packed(std::vector<T>& buf) const {  // row-major elements: the data itself, or a copy in `buf`
-    if (contiguous)
-      return data;
-    size_t total = 1;
-    for (auto e : shape)
-      total *= static_cast<size_t>(e);
-    buf.resize(total);
-    std::vector<int64_t> index(shape.size(), 0);
-    for (size_t i = 0; i < total; ++i) {
-      int64_t at = 0;
-      for (size_t d = 0; d < shape.size(); ++d)
-        at += index[d] * strides[d];
-      buf[i] = data[at];
-      for (size_t d = shape.size(); d-- > 0;) {
-        if (++index[d] < shape[d])
-          break;
-        index[d] = 0;
-      }
-    }
-    return buf.data();
-  }
-};
+using exact_matmul::Strided;  // an input as the dispatched task sees it (exact_matmul.h)
 
 class ExactQuantMatmul : public mx::UnaryPrimitive {
  public:
