@@ -190,11 +190,10 @@ def test_the_check_detects_a_batch_variant_blas():
     assert variant_blocks(Gemm(find_openblas()), x, w, range(1, 65)) != []
 
 
-
-
 def test_preloaded_in_front_of_openblas_under_mlx():
     out = probe(f"{kernel_library('exact_gemm')}:{find_openblas()}", rows=80, outs=72)
-    assert out["blas"].startswith("openblas: ") and out["blas"].endswith("+ exact-gemm kernel 3 (max rows 64, 8-lane fused multiply-add; Q4_1/Q8_0 weights)")
+    assert out["blas"].startswith("openblas: ") and out["blas"].endswith("+ exact-gemm kernel 3 (max rows 64, 8-lane fused multiply-add; "
+                                                                     "F16/BF16/Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K weights)")
     assert out["invariant_rows"][:64] == [True] * 64  # every block of <= 64 rows: a row's bits never depend on it
     assert all(out["close"]) and all(out["close_notrans"]) and all(out["close_addmm"])  # including > 64 (OpenBLAS)
     assert out["close_attention"] and out["close_trans_a"]
