@@ -158,7 +158,7 @@ def test_probe_finds_the_tile_and_detects_row_variance(tiny, monkeypatch):
     r = tile_probe.probe_tile(tiny.model, max_candidate=4)
     assert r.tile == 4 and len(r.shapes) == 5 and r.is_exact_possible and not r.failures
     w = mx.random.normal((48, 64))
-    monkeypatch.setattr(tile_probe, "_linears", lambda model: {(64, 48): _RowVariantLinear(w)})
+    monkeypatch.setattr(tile_probe, "_products", lambda model: {(64, 48): _RowVariantLinear(w)})
     r = tile_probe.probe_tile(tiny.model, max_candidate=4)
     assert r.tile == 2 and any("64->48: M=3" in f for f in r.failures)
 

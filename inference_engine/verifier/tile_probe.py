@@ -19,6 +19,7 @@ above, and the fp32 kernel by construction), that makes them equal at every bloc
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -111,6 +112,19 @@ def fp32_mismatch(fn, reference, in_dim: int, rows: int, rng: np.random.Generato
     return f"M={rows} rows {bad[:4]} differ from the fp32 kernel" if bad else ""
 
 
+def _products(model: nn.Module) -> dict[tuple[int, int], Callable[[mx.array], mx.array]]:
+    """Every product the forward runs, by (in, out) shape, computed as the forward computes it
+    (apply_linear: the exact primitive for fp32 where bound), the LM head included."""
+    linears = _linears(model)
+    for fused in fused_linears(model):  # the projections forward actually runs
+        linears.setdefault((_in_dim(fused), _out_dim(fused)), fused)
+    fns = {shape: (lambda x, m=m: apply_linear(linear_kind(m), x, linear_arrays(m))) for shape, m in linears.items()}
+    embed = model.model.embed_tokens
+    hidden = embed.dims if isinstance(embed, (nn.QuantizedEmbedding, BlockEmbedding)) else embed.weight.shape[1]
+    fns[(hidden, model.args.vocab_size)] = lambda x: head_logits(model, x)
+    return fns
+
+
 def probe_tile(
     model: nn.Module, max_candidate: int = 64, trials: int = 1, seed: int = 0, distinct: int = 8
 ) -> ProbeResult:
@@ -125,15 +139,7 @@ def probe_tile(
         ProbeResult; `tile` 0 means even single rows are not repeatable.
     """
     rng = np.random.default_rng(seed)
-    linears = _linears(model)
-    for fused in fused_linears(model):  # the projections forward actually runs
-        linears.setdefault((_in_dim(fused), _out_dim(fused)), fused)
-    # The products as the forward computes them (apply_linear: the exact primitive for fp32 where bound).
-    fns = {shape: (lambda x, m=m: apply_linear(linear_kind(m), x, linear_arrays(m))) for shape, m in linears.items()}
-    embed = model.model.embed_tokens
-    hidden = embed.dims if isinstance(embed, (nn.QuantizedEmbedding, BlockEmbedding)) else embed.weight.shape[1]
-    head = (hidden, model.args.vocab_size)
-    fns[head] = lambda x: head_logits(model, x)
+    fns = _products(model)
     failures: list[str] = []
     tile = max_candidate
     for (in_dim, out_dim), fn in sorted(fns.items()):
