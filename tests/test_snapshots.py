@@ -159,25 +159,29 @@ async def test_snapshot_dir_files_belong_to_their_writer(engine, tmp_path):
 async def test_request_shape_errors(engine):
     async with running_server(engine, max_snapshot_bytes=1000) as (stub, runtime):
         sid = await _session(stub)
+        snap = await snapshot_bytes(stub, sid)
+        # Each call starts only when its turn comes (a call object starts its RPC when made): made
+        # all at once, the restores would run side by side and meet --max-transfers-per-identity.
         cases = [
-            (stub.RestoreSession(iter([])), grpc.StatusCode.INVALID_ARGUMENT, "needs the snapshot"),
-            (stub.RestoreSession(iter([pb.RestoreSessionRequest(file="a.iesnap", data=b"x")])),
+            (lambda: stub.RestoreSession(iter([])), grpc.StatusCode.INVALID_ARGUMENT, "needs the snapshot"),
+            (lambda: stub.RestoreSession(iter([pb.RestoreSessionRequest(file="a.iesnap", data=b"x")])),
              grpc.StatusCode.INVALID_ARGUMENT, "must come alone"),
-            (stub.RestoreSession(iter([pb.RestoreSessionRequest(data=b"x" * 600)] * 2)),
+            (lambda: stub.RestoreSession(iter([pb.RestoreSessionRequest(data=b"x" * 600)] * 2)),
              grpc.StatusCode.INVALID_ARGUMENT, "not an inference_engine session snapshot"),
-            (restore_bytes(stub, await snapshot_bytes(stub, sid)), grpc.StatusCode.INVALID_ARGUMENT,
+            (lambda: restore_bytes(stub, snap), grpc.StatusCode.INVALID_ARGUMENT,
              "bytes; allowed up to 1000 (--max-snapshot-bytes)"),
-            (stub.RestoreSession(iter([pb.RestoreSessionRequest(file="a.iesnap")])),
+            (lambda: stub.RestoreSession(iter([pb.RestoreSessionRequest(file="a.iesnap")])),
              grpc.StatusCode.FAILED_PRECONDITION, "--snapshot-dir"),
-            (_drain(stub.SnapshotSession(pb.SnapshotSessionRequest(session_id=sid, to_dir=True))),
+            (lambda: _drain(stub.SnapshotSession(pb.SnapshotSessionRequest(session_id=sid, to_dir=True))),
              grpc.StatusCode.FAILED_PRECONDITION, "--snapshot-dir"),
-            (_drain(stub.SnapshotSession(pb.SnapshotSessionRequest(session_id="nope"))),
+            (lambda: _drain(stub.SnapshotSession(pb.SnapshotSessionRequest(session_id="nope"))),
              grpc.StatusCode.NOT_FOUND, "'nope'"),
-            (stub.ForkSession(pb.ForkSessionRequest(session_id="nope")), grpc.StatusCode.NOT_FOUND, "'nope'"),
-            (stub.ForkSession(pb.ForkSessionRequest(session_id="")), grpc.StatusCode.INVALID_ARGUMENT, "session_id"),
+            (lambda: stub.ForkSession(pb.ForkSessionRequest(session_id="nope")), grpc.StatusCode.NOT_FOUND, "'nope'"),
+            (lambda: stub.ForkSession(pb.ForkSessionRequest(session_id="")),
+             grpc.StatusCode.INVALID_ARGUMENT, "session_id"),
         ]
-        for call, code, fragment in cases:
-            err = await _error(call)
+        for make, code, fragment in cases:
+            err = await _error(make())
             assert err.code() == code and fragment in err.details(), err
         assert runtime.store.slabs_in_use == 1
 
