@@ -5,7 +5,7 @@ of blocks per token instead of 538 MB of fp32 and keeps no fp32 copy. q4_1 needs
 file the packaged SmolLM2 was converted from, or `--model FILE.gguf` / packaged:gemma3-270m,
 whose blocks of every type are served as stored: model/gguf_file_blocks.py) and the exact
 block kernel; where either is missing the process serves fp32 and says why in its log. The start-up probe then checks the
-kernel against the fp32 kernel on every shape (verifier/tile_probe.py); the server falls
+kernel against the fp32 kernel on every shape (execution/tile_probe.py); the server falls
 back to fp32 if it differs.
 """
 

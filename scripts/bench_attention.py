@@ -36,7 +36,7 @@ def step_ms(rows: int, position: int, reps: int) -> list[float]:
     import numpy as np
 
     from inference_engine.model import native_kernels
-    from inference_engine.verifier.kv_cache import CacheGeometry, SinkWindowKVCache
+    from inference_engine.execution.kv_cache import CacheGeometry, SinkWindowKVCache
 
     kernels = native_kernels.active()
     assert kernels is not None

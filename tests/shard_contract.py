@@ -14,7 +14,7 @@ from inference_engine.errors import InvalidRequest, InvariantViolation, PoolExha
 from inference_engine.shard.protocol.errors import WorkCancelled
 from inference_engine.shard.protocol.types import LayerRange, ShardWork
 from inference_engine.shard.worker.engine import ShardEngine
-from inference_engine.verifier.kv_cache import CacheGeometry
+from inference_engine.execution.kv_cache import CacheGeometry
 from tests.shard_helpers import GEOMETRY, chain_differences, ref_block, reference, run_chain
 
 TOKENS = np.random.default_rng(7).integers(0, 256, 64).tolist()

@@ -17,10 +17,10 @@ from inference_engine.shard.worker.engine import ShardEngine
 from inference_engine.shard.worker.servicer import ShardRuntimeServicer, start_shard_server
 from inference_engine.v1 import shard_runtime_pb2 as pb
 from inference_engine.v1 import shard_runtime_pb2_grpc as pb_grpc
-from inference_engine.verifier.executor import LocalBackend
-from inference_engine.verifier.kv_cache import CacheGeometry
+from inference_engine.execution.executor import LocalBackend
+from inference_engine.execution.kv_cache import CacheGeometry
 from inference_engine.verifier.sink_window_verifier import SinkWindowVerifier
-from inference_engine.verifier.token_log import TokenLog
+from inference_engine.execution.token_log import TokenLog
 
 GEOMETRY = CacheGeometry(sink=2, window=5, max_block=4, max_rollback=4)
 

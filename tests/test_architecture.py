@@ -19,7 +19,8 @@ RANKS = {
     "model": 1, "security": 1, "text": 1, "address": 1,
     "config": 2,
     "blas": 3,
-    "verifier": 4, "quant_kernel": 4,
+    "execution": 4, "quant_kernel": 4,
+    "verifier": 4.5,  # the sink-window verifier, over the execution layer
     "session": 5, "shard.protocol": 5, "served_model": 5, "serving_path": 5,
     "decoding": 6,
     "runtime": 7, "shard": 7, "shard.client": 7,
@@ -177,7 +178,7 @@ def _definitions(root: Path) -> list[tuple[str, ast.AST]]:
 
 def test_shard_defines_no_scheduler_engine_thread_or_batcher_of_its_own():
     """A worker runs the runtime's execution core: the Scheduler's engine thread, its BatchQueue and the
-    executors' batched forward (`verifier/executor.py`). shard/ may not grow a second one."""
+    executors' batched forward (`execution/executor.py`). shard/ may not grow a second one."""
     own = []
     for where, node in _definitions(PACKAGE / "shard"):
         if isinstance(node, ast.ClassDef) and any(w in node.name for w in ("Scheduler", "Batcher", "Thread", "Queue")):

@@ -15,7 +15,7 @@ from inference_engine.shard.client.route import ShardRoute
 from inference_engine.shard.client.route_backend import RouteBackend
 from inference_engine.shard.protocol.types import LayerRange
 from inference_engine.shard.worker.mlx_engine import MlxShardEngine
-from inference_engine.verifier.kv_cache import CacheGeometry, CanonicalKV, SinkWindowKVCache
+from inference_engine.execution.kv_cache import CacheGeometry, CanonicalKV, SinkWindowKVCache
 from tests.coordinator_helpers import append_alone, verify_alone
 from tests.kernel_guard import assert_full_tile
 from tests.shard_helpers import shard_server

@@ -21,8 +21,8 @@ from inference_engine.model import native_kernels
 from inference_engine.model.forward import Segment, Span, forward, forward_rows
 from inference_engine.model.fused_block import fused_block
 from inference_engine.quant_kernel import enable_native_kernels
-from inference_engine.verifier.executor import LocalBackend, LocalExecutor
-from inference_engine.verifier.kv_cache import CacheGeometry, SinkWindowKVCache
+from inference_engine.execution.executor import LocalBackend, LocalExecutor
+from inference_engine.execution.kv_cache import CacheGeometry, SinkWindowKVCache
 from tests.tiny_models import random_model
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the kernel is built on Linux (CPU)")

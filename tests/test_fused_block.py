@@ -8,7 +8,7 @@ import pytest
 from inference_engine.model.families import FAMILIES
 from inference_engine.model.forward import forward
 from inference_engine.model.fused_block import apply_linear, concat_linears, fused_block, linear_arrays, linear_kind
-from inference_engine.verifier.kv_cache import CacheGeometry, SinkWindowKVCache
+from inference_engine.execution.kv_cache import CacheGeometry, SinkWindowKVCache
 from tests.tiny_models import random_model
 
 

@@ -17,7 +17,7 @@ from inference_engine.model.gguf_blocks import Q4_0, Q5_0, Q8_0, BlockLinear, as
 from inference_engine.model.gguf_file_blocks import served_types
 from inference_engine.model.loader import load_gguf_model
 from inference_engine.quant_kernel import load_quant_kernel
-from inference_engine.verifier.tile_probe import fp32_mismatches
+from inference_engine.execution.tile_probe import fp32_mismatches
 from tests.blas_env import linux_openblas
 from tests.family_gguf import write_family_gguf
 from tests.test_gguf_models import FAMILIES, _logits, _types

@@ -20,8 +20,8 @@ from inference_engine.model.gguf_model import SUPPORTED_TYPES
 from inference_engine.model.loader import load_gguf_model
 from inference_engine.runtime.engine import Engine
 from inference_engine.served_model import load_served_model
-from inference_engine.verifier.kv_cache import CacheGeometry
-from inference_engine.verifier.sliding_kv_cache import layer_cache
+from inference_engine.execution.kv_cache import CacheGeometry
+from inference_engine.execution.sliding_kv_cache import layer_cache
 from tests.exactness import chunkings, feed
 from tests.family_gguf import write_family_gguf
 from tests.family_models import FAMILY_CONFIGS

@@ -2,7 +2,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from inference_engine.verifier.kv_cache import CacheGeometry, SinkWindowKVCache, attention_groups, row_mask, write_slots
+from inference_engine.execution.kv_cache import CacheGeometry, SinkWindowKVCache, attention_groups, row_mask, write_slots
 
 G = CacheGeometry(sink=2, window=4, max_block=3, max_rollback=2)
 

@@ -13,8 +13,8 @@ from inference_engine.model.families.base import Family
 from inference_engine.model.forward import forward
 from inference_engine.model.gguf_model import check_tensor_types
 from inference_engine.model.gguf_reader import read_gguf
-from inference_engine.verifier.kv_cache import CacheGeometry
-from inference_engine.verifier.sliding_kv_cache import SlidingKVCache, layer_cache, layer_geometry
+from inference_engine.execution.kv_cache import CacheGeometry
+from inference_engine.execution.sliding_kv_cache import SlidingKVCache, layer_cache, layer_geometry
 from tests.family_gguf import write_family_gguf
 from tests.tiny_models import random_model
 

@@ -30,8 +30,8 @@ from inference_engine.model.gguf_convert import convert_gguf
 from inference_engine.model.loader import load_block_model, load_model, model_fingerprint
 from inference_engine.quant_kernel import load_quant_kernel
 from inference_engine.served_model import load_served_model, q4_1_unavailable
-from inference_engine.verifier.kv_cache import CacheGeometry, SinkWindowKVCache
-from inference_engine.verifier.tile_probe import fp32_mismatches, probe_tile
+from inference_engine.execution.kv_cache import CacheGeometry, SinkWindowKVCache
+from inference_engine.execution.tile_probe import fp32_mismatches, probe_tile
 from tests.blas_env import linux_openblas
 from tests.test_exact_qgemm import random_blocks
 from tests.tiny_gguf import KV_HEADS, LAYERS, write_tiny_gguf

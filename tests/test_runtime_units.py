@@ -12,8 +12,8 @@ from inference_engine.runtime.engine import Engine
 from inference_engine.status_codes import status_of
 from inference_engine.session.session import Session
 from inference_engine.session.session_store import SessionStore
-from inference_engine.verifier import executor as executor_mod
-from inference_engine.verifier import tile_probe
+from inference_engine.execution import executor as executor_mod
+from inference_engine.execution import tile_probe
 from tests.coordinator_helpers import append_alone
 from tests.kernel_guard import assert_full_tile
 

@@ -20,7 +20,7 @@ import pytest
 from inference_engine.runtime import policy as policy_module
 from inference_engine.runtime.job import Job, Kind, Phase
 from inference_engine.runtime.scheduler import Scheduler
-from inference_engine.verifier.executor import Block
+from inference_engine.execution.executor import Block
 
 HANG_GUARD_S = 60.0  # a wait that only ends a hung test
 

@@ -15,7 +15,7 @@ from inference_engine.runtime.plan import Plan, Why
 from inference_engine.runtime.runtime import Runtime
 from inference_engine.runtime.scheduler import Scheduler
 from inference_engine.runtime.types import AppendParams, CreateSessionParams, GenerateParams
-from inference_engine.verifier.executor import Block
+from inference_engine.execution.executor import Block
 from tests.conftest import make_config
 from tests.kernel_guard import assert_full_tile
 

@@ -7,7 +7,7 @@ import numpy as np
 
 from inference_engine.runtime.runtime import Runtime
 from inference_engine.runtime.types import CreateSessionParams
-from inference_engine.verifier.token_log import TokenLog
+from inference_engine.execution.token_log import TokenLog
 from tests.conftest import make_config
 from tests.coordinator_helpers import append_alone
 

@@ -16,7 +16,7 @@ from inference_engine.shard.protocol.types import LayerRange, ShardWork, StepIte
 from inference_engine.runtime.batch_queue import BatchQueue
 from inference_engine.runtime.scheduler import Scheduler
 from inference_engine.shard.worker.mlx_engine import MlxShardEngine
-from inference_engine.verifier import executor as executor_module
+from inference_engine.execution import executor as executor_module
 from tests.shard_helpers import GEOMETRY, ref_block, reference, run_chain
 
 TOKENS = np.random.default_rng(5).integers(0, 256, 80).tolist()

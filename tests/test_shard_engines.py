@@ -12,8 +12,8 @@ from inference_engine.shard.protocol.errors import ShardUnavailable, WorkCancell
 from inference_engine.shard.protocol.types import LayerRange, ShardWork
 from inference_engine.shard.worker import mlx_engine
 from inference_engine.shard.worker.mlx_engine import MlxShardEngine, load_weights, model_fingerprint
-from inference_engine.verifier import executor as executor_module
-from inference_engine.verifier.kv_cache import CacheGeometry
+from inference_engine.execution import executor as executor_module
+from inference_engine.execution.kv_cache import CacheGeometry
 from tests.fixtures.fault_config import FaultConfig
 from tests.fixtures.fault_injection import FaultInjectingEngine
 from tests.shard_helpers import GEOMETRY, ref_block, reference, run_chain
@@ -106,7 +106,7 @@ def test_probe_at_load_and_fingerprint(tiny):
 def test_load_refuses_inexact_blas_and_uncarried_dtypes(monkeypatch):
     import mlx.core as mx
 
-    from inference_engine.verifier.tile_probe import ProbeResult
+    from inference_engine.execution.tile_probe import ProbeResult
 
     monkeypatch.setattr(mlx_engine, "probe_tile", lambda *a, **k: ProbeResult(0, 16, ("not repeatable",), ()))
     with pytest.raises(InvariantViolation, match="not repeatable"):

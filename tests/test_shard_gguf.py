@@ -9,7 +9,7 @@ from inference_engine.config import default_cache_dir
 from inference_engine.model.loader import model_fingerprint
 from inference_engine.served_model import load_served_model
 from inference_engine.shard.client.pipeline import ShardPipeline
-from inference_engine.verifier.kv_cache import CacheGeometry
+from inference_engine.execution.kv_cache import CacheGeometry
 from tests.family_gguf import write_family_gguf
 from tests.shard_helpers import ref_block, reference, running_workers, spawn_worker
 

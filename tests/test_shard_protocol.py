@@ -13,7 +13,7 @@ from inference_engine.shard.worker import session_stream
 from inference_engine.shard.worker.engine import ShardEngine
 from inference_engine.shard.worker.mlx_engine import MlxShardEngine
 from inference_engine.v1 import shard_runtime_pb2 as pb
-from inference_engine.verifier.kv_cache import CacheGeometry
+from inference_engine.execution.kv_cache import CacheGeometry
 from tests.fixtures.fault_config import FaultConfig
 from tests.fixtures.fault_injection import FaultInjectingEngine
 from tests.shard_helpers import chunk_msg, fails_closed, open_msg, opened, ref_block, reference, shard_server

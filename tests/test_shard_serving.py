@@ -33,7 +33,7 @@ from inference_engine.shard.client.route import ShardRoute
 from inference_engine.shard.client.route_backend import RouteBackend
 from inference_engine.v1 import runtime_pb2 as pb
 from inference_engine.v1 import runtime_pb2_grpc as pb_grpc
-from inference_engine.verifier.executor import LocalBackend
+from inference_engine.execution.executor import LocalBackend
 from tests.conftest import make_config, running_server
 from tests.shard_helpers import running_workers, spawn_worker, worker_ready
 

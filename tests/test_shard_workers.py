@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from inference_engine.shard.client.pipeline import ShardPipeline
-from inference_engine.verifier.kv_cache import CacheGeometry
+from inference_engine.execution.kv_cache import CacheGeometry
 from inference_engine.verifier.sink_window_verifier import state_digest
 from tests.shard_helpers import ref_block, reference, running_workers, spawn_worker
 

@@ -11,7 +11,7 @@ import pytest
 
 from inference_engine.errors import SnapshotCorrupt, SnapshotIncompatible
 from inference_engine.session import snapshot_format as fmt
-from inference_engine.verifier.kv_cache import CanonicalKV
+from inference_engine.execution.kv_cache import CanonicalKV
 
 FP = fmt.Fingerprint("a" * 64, "b" * 64, "openblas: x", 16, True, 2, 3)
 
@@ -103,7 +103,7 @@ def test_malformations_are_corrupt():
 @pytest.mark.parametrize("sink", [0, 1, 2, 5])
 @pytest.mark.parametrize("window", [0, 1, 3, 8])
 def test_retained_count_is_the_visible_positions_less_the_query(sink, window):
-    from inference_engine.verifier.kv_cache import CacheGeometry
+    from inference_engine.execution.kv_cache import CacheGeometry
 
     for n in range(20):
         visible = CacheGeometry(sink, window, 1, 0).visible_positions(n)[:-1] if n else []

@@ -3,7 +3,7 @@
 import mlx.core as mx
 import numpy as np
 
-from inference_engine.verifier.tile_probe import first_variant_size
+from inference_engine.execution.tile_probe import first_variant_size
 
 IN, OUT = 40, 24
 W = mx.array(np.random.default_rng(9).standard_normal((OUT, IN)).astype(np.float32))

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from inference_engine.readiness import address_of, wait_ready, wait_ready_async
-from inference_engine.verifier.token_log import TokenLog
+from inference_engine.execution.token_log import TokenLog
 
 
 def test_token_log_extends_truncates_and_lowers_watermarks():

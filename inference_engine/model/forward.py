@@ -4,7 +4,7 @@ Prefill, append, decode and verification all run `forward_rows`: the rows of one
 sessions (segments) go through the transformer blocks together, so each weight is read
 once for all of them, while attention reads each row's own session cache. A row's bits
 never depend on its companions: every matmul is row-invariant for blocks up to the probed
-tile (verifier/tile_probe.py), RoPE takes each row's own global position, and attention
+tile (execution/tile_probe.py), RoPE takes each row's own global position, and attention
 is per (row, KV head) over keys fixed by the row's position: MLX ops per session
 (kv_protocol.py), or native nodes for all sessions at once (native_kernels.py).
 

@@ -1,7 +1,7 @@
 """The KV cache as the model sees it: a small protocol (mlx-lm's cache, plus row masks).
 
 The model is a function of (tokens, cache); this is all it asks of a cache. The sink-window
-cache (`verifier/kv_cache.py`) implements it; the model never imports it.
+cache (`execution/kv_cache.py`) implements it; the model never imports it.
 """
 
 from __future__ import annotations

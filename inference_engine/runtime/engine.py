@@ -3,7 +3,7 @@
 The thread is the scheduler's (`scheduler.py`): appends and generations run there as jobs
 batched into shared forwards, everything else as plain calls (`run`), which complete even
 if the awaiting RPC is cancelled, so session state is never left half-updated. Where the
-target's layers run is the backend's business (`verifier/executor.py`): the local one by
+target's layers run is the backend's business (`execution/executor.py`): the local one by
 default, or whatever the server hands to `use_backend` (a shard route).
 """
 
@@ -16,12 +16,12 @@ from inference_engine.model.loader import LoadedModel
 from inference_engine.runtime.scheduler import Scheduler
 from inference_engine.session.coordinator import SessionCoordinator
 from inference_engine.session.session import Session
-from inference_engine.verifier.executor import Backend, LocalBackend
-from inference_engine.verifier.kv_cache import CacheGeometry, rollback_room
+from inference_engine.execution.executor import Backend, LocalBackend
+from inference_engine.execution.kv_cache import CacheGeometry, rollback_room
 from inference_engine.verifier.sink_window_verifier import SinkWindowVerifier
-from inference_engine.verifier.sliding_kv_cache import session_slab_bytes
-from inference_engine.verifier.tile_probe import ProbeResult, probe_tile
-from inference_engine.verifier.token_log import TokenLog
+from inference_engine.execution.sliding_kv_cache import session_slab_bytes
+from inference_engine.execution.tile_probe import ProbeResult, probe_tile
+from inference_engine.execution.token_log import TokenLog
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)

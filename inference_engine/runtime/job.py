@@ -22,7 +22,7 @@ from enum import Enum
 from typing import Callable
 
 from inference_engine.session.session import Session
-from inference_engine.verifier.executor import Block
+from inference_engine.execution.executor import Block
 
 
 class Phase(Enum):

@@ -24,7 +24,7 @@ from inference_engine.runtime.job import Job, Kind, Phase, resolve
 from inference_engine.runtime.types import AppendResult, GenerateParams, StopReason
 from inference_engine.session.coordinator import Checkpoint
 from inference_engine.session.session import Session
-from inference_engine.verifier.executor import Block
+from inference_engine.execution.executor import Block
 
 
 class AppendCancelled(Exception):

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from inference_engine.runtime.job import Job
-from inference_engine.verifier.executor import Block
+from inference_engine.execution.executor import Block
 
 
 class Why(Enum):

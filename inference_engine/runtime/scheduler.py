@@ -41,7 +41,7 @@ from inference_engine.runtime.job import Crossings, Job, Kind, Phase, resolve
 from inference_engine.runtime.plan import Plan, Row, Why
 from inference_engine.runtime.policy import Policy
 from inference_engine.session.session import Session
-from inference_engine.verifier.executor import Backend
+from inference_engine.execution.executor import Backend
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)

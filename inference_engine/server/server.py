@@ -43,7 +43,7 @@ from inference_engine.shard.client.route import ShardRoute
 from inference_engine.shard.client.route_backend import RouteBackend
 from inference_engine.shard.client.supervisor import WorkerFlags, WorkerSupervisor, check_layer_ranges
 from inference_engine.shard.protocol.errors import ShardUnavailable
-from inference_engine.verifier.tile_probe import fp32_mismatches
+from inference_engine.execution.tile_probe import fp32_mismatches
 
 log = logging.getLogger(__name__)
 

@@ -20,10 +20,10 @@ import mlx.core as mx
 import numpy as np
 
 from inference_engine.errors import InvariantViolation
-from inference_engine.verifier.executor import Backend, Block
-from inference_engine.verifier.kv_cache import CacheGeometry, CanonicalKV
+from inference_engine.execution.executor import Backend, Block
+from inference_engine.execution.kv_cache import CacheGeometry, CanonicalKV
 from inference_engine.verifier.sink_window_verifier import SinkWindowVerifier
-from inference_engine.verifier.token_log import TokenLog
+from inference_engine.execution.token_log import TokenLog
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from inference_engine.short_id import short_id
 from inference_engine.text.chat import ChatLog
 from inference_engine.text.constraint import ConstraintRun
 from inference_engine.verifier.sink_window_verifier import SinkWindowVerifier
-from inference_engine.verifier.token_log import TokenLog, Watermark
+from inference_engine.execution.token_log import TokenLog, Watermark
 
 
 @dataclass

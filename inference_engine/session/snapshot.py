@@ -19,8 +19,8 @@ from inference_engine.errors import SessionNotFound, SnapshotCorrupt
 from inference_engine.session.coordinator import SessionCoordinator
 from inference_engine.session.session import Session
 from inference_engine.session.snapshot_format import Fingerprint, PersistedIdentity, SessionSnapshot
-from inference_engine.verifier.executor import Backend
-from inference_engine.verifier.kv_cache import CacheGeometry
+from inference_engine.execution.executor import Backend
+from inference_engine.execution.kv_cache import CacheGeometry
 from inference_engine.verifier.sink_window_verifier import state_digest
 
 

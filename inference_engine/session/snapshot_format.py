@@ -60,7 +60,7 @@ import numpy as np
 from inference_engine.errors import SnapshotCorrupt, SnapshotIncompatible
 from inference_engine.text.chat import ChatLog, ReplySpan
 from inference_engine.text.codec import ChatMessage
-from inference_engine.verifier.kv_cache import CanonicalKV
+from inference_engine.execution.kv_cache import CanonicalKV
 
 MAGIC = b"\x89IESNAP\n"
 FORMAT_VERSION = 2  # what encode writes

@@ -19,8 +19,8 @@ import mlx.core as mx
 import numpy as np
 
 from inference_engine.errors import InvariantViolation
-from inference_engine.verifier.executor import Block, Executor
-from inference_engine.verifier.token_log import TokenLog
+from inference_engine.execution.executor import Block, Executor
+from inference_engine.execution.token_log import TokenLog
 
 
 def state_digest(logits: mx.array | None, cached_tokens: list[int], position: int, layer_digests: list[bytes]) -> str:

@@ -27,7 +27,7 @@ from inference_engine.shard.protocol.types import ShardCapabilities
 from inference_engine.shard.protocol.wire import open_frame
 from inference_engine.v1 import shard_runtime_pb2 as pb
 from inference_engine.v1 import shard_runtime_pb2_grpc as pb_grpc
-from inference_engine.verifier.kv_cache import CacheGeometry
+from inference_engine.execution.kv_cache import CacheGeometry
 
 FLOW_RETRIES = 6  # resends of one frame after FLOW_CONTROL_VIOLATION
 FLOW_BACKOFF_S = 0.01  # first wait before a resend (doubles each time)

@@ -47,7 +47,7 @@ from inference_engine.shard.protocol.wire import (
 )
 from inference_engine.v1 import shard_runtime_pb2 as pb
 from inference_engine.v1 import shard_runtime_pb2_grpc as pb_grpc
-from inference_engine.verifier.kv_cache import CacheGeometry
+from inference_engine.execution.kv_cache import CacheGeometry
 
 
 class ShardPipeline(KvTransfer, BatchedForward):

@@ -28,10 +28,10 @@ from inference_engine.errors import InvalidRequest, InvariantViolation, PoolExha
 from inference_engine.model.loader import ModelSpec
 from inference_engine.shard.client.route import ShardRoute
 from inference_engine.shard.protocol.errors import DeadlineExpired, ShardUnavailable
-from inference_engine.verifier.executor import Backend, Block, Executor
-from inference_engine.verifier.kv_cache import CacheGeometry, CanonicalKV
-from inference_engine.verifier.sliding_kv_cache import session_slab_bytes
-from inference_engine.verifier.token_log import TokenLog
+from inference_engine.execution.executor import Backend, Block, Executor
+from inference_engine.execution.kv_cache import CacheGeometry, CanonicalKV
+from inference_engine.execution.sliding_kv_cache import session_slab_bytes
+from inference_engine.execution.token_log import TokenLog
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ from inference_engine.shard.protocol.errors import MalformedShardOutput, Payload
 from inference_engine.shard.protocol.tensor_codec import decode_tensor
 from inference_engine.shard.protocol.types import LayerRange
 from inference_engine.v1 import shard_runtime_pb2 as pb
-from inference_engine.verifier.kv_cache import CacheGeometry
+from inference_engine.execution.kv_cache import CacheGeometry
 
 
 @dataclass(frozen=True)

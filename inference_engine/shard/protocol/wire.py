@@ -22,7 +22,7 @@ from inference_engine.shard.protocol.types import (
     ShardWork,
 )
 from inference_engine.v1 import shard_runtime_pb2 as pb
-from inference_engine.verifier.kv_cache import CacheGeometry
+from inference_engine.execution.kv_cache import CacheGeometry
 
 MAX_ROWS = 1 << 16  # rows in one ActivationChunk
 MAX_MESSAGE_BYTES = 256 << 20  # activations of long blocks and all-row logits are large

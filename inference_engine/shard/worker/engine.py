@@ -17,7 +17,7 @@ import numpy as np
 
 from inference_engine.shard.protocol.types import ShardCapabilities, ShardHealth, ShardMetrics, ShardOutput, ShardWork
 from inference_engine.shard.protocol.types import StepItem  # a queued block of one session (step_many)
-from inference_engine.verifier.kv_cache import CacheGeometry
+from inference_engine.execution.kv_cache import CacheGeometry
 
 
 class ShardEngine(ABC):

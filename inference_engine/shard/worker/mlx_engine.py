@@ -39,9 +39,9 @@ from inference_engine.shard.protocol.types import (
     StepItem,
 )
 from inference_engine.shard.worker.engine import ShardEngine
-from inference_engine.verifier.executor import Block, LocalBackend, LocalExecutor
-from inference_engine.verifier.kv_cache import CacheGeometry, SinkWindowKVCache
-from inference_engine.verifier.tile_probe import fp32_mismatches, probe_tile
+from inference_engine.execution.executor import Block, LocalBackend, LocalExecutor
+from inference_engine.execution.kv_cache import CacheGeometry, SinkWindowKVCache
+from inference_engine.execution.tile_probe import fp32_mismatches, probe_tile
 
 _NUMPY_DTYPE = {mx.float32: "float32", mx.float16: "float16"}
 

@@ -23,7 +23,7 @@ from inference_engine.shard.worker.engine import ShardEngine
 from inference_engine.shard.worker.route_table import RouteTable
 from inference_engine.shard.worker.session_stream import SessionStream
 from inference_engine.v1 import shard_runtime_pb2 as pb
-from inference_engine.verifier.executor import Backend
+from inference_engine.execution.executor import Backend
 from inference_engine.v1 import shard_runtime_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)

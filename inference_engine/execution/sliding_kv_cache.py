@@ -20,7 +20,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from inference_engine.verifier.kv_cache import CacheGeometry, SinkWindowKVCache, layer_digest, zeroed_storage
+from inference_engine.execution.kv_cache import CacheGeometry, SinkWindowKVCache, layer_digest, zeroed_storage
 
 
 def layer_geometry(geometry: CacheGeometry, window: int | None) -> CacheGeometry:

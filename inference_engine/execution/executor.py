@@ -25,9 +25,9 @@ import numpy as np
 from inference_engine.errors import InvariantViolation
 from inference_engine.model.forward import Segment, Span, forward, forward_rows
 from inference_engine.model.loader import ModelSpec
-from inference_engine.verifier.kv_cache import CacheGeometry, CanonicalKV, SinkWindowKVCache
-from inference_engine.verifier.sliding_kv_cache import layer_cache, layer_storage
-from inference_engine.verifier.token_log import TokenLog
+from inference_engine.execution.kv_cache import CacheGeometry, CanonicalKV, SinkWindowKVCache
+from inference_engine.execution.sliding_kv_cache import layer_cache, layer_storage
+from inference_engine.execution.token_log import TokenLog
 
 
 class Executor(ABC):
