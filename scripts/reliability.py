@@ -24,14 +24,14 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # the package and tests.certs are used from the checkout
+sys.path.insert(0, str(REPO))  # the package is used from the checkout
 
 from reliabilitykit.battery import FULL, QUICK, SECTIONS, PkiFiles, run_battery  # noqa: E402
 from reliabilitykit.report import write_json  # noqa: E402
 
 
 def _pki(folder: Path) -> PkiFiles:
-    from tests.certs import make_pki  # a throwaway CA (cryptography, a test dependency)
+    from reliabilitykit.pki import make_pki  # a throwaway CA (cryptography, a dev dependency)
 
     p = make_pki(folder)
     return PkiFiles(p.ca, p.other_ca, (p.server.cert, p.server.key), (p.client_a.cert, p.client_a.key),

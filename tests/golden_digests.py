@@ -6,7 +6,7 @@ the first 32 greedy tokens and the first 32 seeded tokens; and for every kernel 
 (x86-64 AVX-512, AVX2+FMA, portable; arm64 NEON and portable under qemu) the digest of the
 kernel harness's outputs (tests/kernel_harness.py), with the per-tensor digests they share.
 tests/test_golden_digests.py checks them on whatever CPU runs the tests; only
-scripts/write_golden_digests.py writes the table, and it refuses to replace one without
+tests/write_golden_digests.py writes the table, and it refuses to replace one without
 --overwrite (a golden value changes only in a commit that says why).
 """
 

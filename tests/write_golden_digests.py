@@ -2,9 +2,9 @@
 
 Refuses to replace an existing table unless --overwrite is given: a golden value changes only
 in a commit that says why. Every kernel variant must run (the arm64 ones need
-scripts/check_arm64.sh's packages) and agree, or nothing is written. Run it through the test
-launcher's environment (OpenBLAS and the exact kernel preloaded, as the server runs):
-    LD_PRELOAD=$(.venv/bin/python -m inference_engine.blas) .venv/bin/python scripts/write_golden_digests.py
+scripts/check_arm64.sh's packages) and agree, or nothing is written. It lives in tests/ because it
+is built from the tests' own harness (golden_digests.py, kernel_harness.py):
+    .venv/bin/python tests/write_golden_digests.py [--overwrite]
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def main() -> int:
         model = golden_digests.model_table(engine)
     finally:
         engine.close()
-    table = {"about": "tests/golden_digests.py; written by scripts/write_golden_digests.py, never silently",
+    table = {"about": "tests/golden_digests.py; written by tests/write_golden_digests.py, never silently",
              "model": {"name": "smollm2-135m", "weights": "q4_1", "sink": golden_digests.SINK,
                        "window": golden_digests.WINDOW, "feeds": model},
              "kernels": kernels}
