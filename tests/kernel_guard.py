@@ -60,3 +60,12 @@ def assert_full_tile(engine: Engine) -> Engine:
         engine.close()  # a fixture that fails here never reaches its teardown
         raise
     return engine
+
+
+def tiny_drafted_engine(model) -> Engine:
+    """The exact engine the tiny-model server batteries share: tile 16 (checked), block 64, rollback 8,
+    a random tiny draft model."""
+    from tests.tiny_models import random_model
+
+    return assert_full_tile(Engine(model, exact=True, max_tile=16, plain_block=64, max_rollback=8,
+                                   draft=random_model(seed=1)))

@@ -14,14 +14,12 @@ import pytest
 from inference_engine.runtime.engine import Engine
 from tests.batching_helpers import DRAFT, GREEDY, LOOKUP, Scenario, assert_batch_invariant
 from tests.batching_helpers import random_tokens as _tokens
-from tests.kernel_guard import assert_full_tile
-from tests.tiny_models import random_model
+from tests.kernel_guard import assert_full_tile, tiny_drafted_engine
 
 
 @pytest.fixture(scope="module")
 def engine(tiny):
-    e = assert_full_tile(Engine(tiny, exact=True, max_tile=16, plain_block=64, max_rollback=8,
-                                draft=random_model(seed=1)))
+    e = tiny_drafted_engine(tiny)
     yield e
     e.close()
 

@@ -7,12 +7,10 @@ import numpy as np
 import pytest
 
 from inference_engine.decoding.logprobs import log_softmax
-from inference_engine.runtime.engine import Engine
 from inference_engine.v1 import runtime_pb2 as pb
 from tests.conftest import running_server
 from tests.exactness import chunkings
-from tests.kernel_guard import assert_full_tile
-from tests.tiny_models import random_model
+from tests.kernel_guard import tiny_drafted_engine
 
 PROMPT = [5, 17, 33, 2, 250, 9, 9, 120, 64, 3, 5, 17, 33, 2, 250, 9]
 SAMPLED = dict(temperature=0.9, top_k=60, top_p=0.95, min_p=0.01, repetition_penalty=1.2, seed=1234)
@@ -20,8 +18,7 @@ SAMPLED = dict(temperature=0.9, top_k=60, top_p=0.95, min_p=0.01, repetition_pen
 
 @pytest.fixture(scope="module")
 def engine(tiny):
-    e = assert_full_tile(Engine(tiny, exact=True, max_tile=16, plain_block=64, max_rollback=8,
-                                draft=random_model(seed=1)))
+    e = tiny_drafted_engine(tiny)
     yield e
     e.close()
 
