@@ -23,6 +23,10 @@ TIME = {"type": "function", "function": {
     "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 12}},
                                        "required": ["zone"], "additionalProperties": False}}}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+AGAIN = [{"role": "user", "content": "Weather in Paris?"},  # a call before: the small model calls again
+         {"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+             "name": "get_weather", "arguments": '{"city":"Paris","unit":"celsius"}'}}]},
+         {"role": "user", "content": "Weather in London?"}]
 
 
 async def test_response_format_json_schema_and_json_object(real_engine):
@@ -51,31 +55,71 @@ async def test_response_format_json_schema_and_json_object(real_engine):
         assert s.runtime.store.slabs_in_use == held  # refused before any session was opened
 
 
+async def _streamed(c: openai.AsyncOpenAI, **kw) -> tuple[object, list, list[str]]:
+    """A streamed request through the client's streaming helper: its accumulated completion, raw chunks and
+    argument fragments."""
+    chunks, fragments = [], []
+    async with c.chat.completions.stream(stream_options={"include_usage": True}, **kw) as stream:
+        async for event in stream:
+            if event.type == "chunk":
+                chunks.append(event.chunk)
+            elif event.type == "tool_calls.function.arguments.delta" and event.arguments_delta:
+                fragments.append(event.arguments_delta)
+        try:
+            final = await stream.get_final_completion()
+        except openai.LengthFinishReasonError as cut:  # the helper's parsing refuses a reply cut by max_tokens
+            final = cut.completion
+        return final, chunks, fragments
+
+
+def _same_reply(streamed, plain) -> None:
+    """The streamed completion, as the client accumulated it, is the non-streamed one."""
+    a, b = streamed.choices[0], plain.choices[0]
+    assert (a.finish_reason, a.message.content) == (b.finish_reason, b.message.content)
+    calls = lambda m: [(t.type, t.function.name, t.function.arguments) for t in m.tool_calls or []]  # noqa: E731
+    assert calls(a.message) == calls(b.message)
+    assert streamed.usage.completion_tokens == plain.usage.completion_tokens
+
+
 async def test_tool_calls_named_required_auto_and_none(real_engine):
     async with http_api(real_engine, default_window=256) as s, s.client() as c:
-        for choice in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
-            r = await c.chat.completions.create(model=s.model, messages=ASK, max_tokens=48, temperature=0,
-                                                tools=[WEATHER, TIME], tool_choice=choice)
+        for choice, parallel in (({"type": "function", "function": {"name": "get_weather"}}, False),
+                                 ("required", True)):
+            ask = dict(model=s.model, messages=ASK, max_tokens=48, temperature=0, tools=[WEATHER, TIME],
+                       tool_choice=choice, parallel_tool_calls=parallel)
+            r = await c.chat.completions.create(**ask)
             (call,) = r.choices[0].message.tool_calls
             assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
             assert call.type == "function" and call.id.startswith("call_")
             tool = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
             jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
-            stream = await c.chat.completions.create(model=s.model, messages=ASK, max_tokens=48, temperature=0,
-                                                     tools=[WEATHER, TIME], tool_choice=choice, stream=True)
-            chunks = [ch async for ch in stream]
-            deltas = [d for ch in chunks for d in ch.choices[0].delta.tool_calls or []]
-            assert [d.function.name for d in deltas] == [call.function.name]
-            assert deltas[0].function.arguments == call.function.arguments and deltas[0].index == 0
-            assert chunks[-1].choices[0].finish_reason == "tool_calls"
-        auto = await c.chat.completions.create(model=s.model, messages=ASK, max_tokens=48, temperature=0,
-                                               tools=[WEATHER])
-        message = auto.choices[0].message
-        if message.tool_calls:  # auto: the model chose a call, or text that does not start like one
-            assert auto.choices[0].finish_reason == "tool_calls"
-            jsonschema.validate(json.loads(message.tool_calls[0].function.arguments), WEATHER["function"]["parameters"])
-        else:
-            assert not message.content.startswith("{")
+            streamed, chunks, fragments = await _streamed(c, **ask)
+            _same_reply(streamed, r)  # bitwise the same arguments text
+            assert len(fragments) > 1 and "".join(fragments) == call.function.arguments
+            deltas = [d for ch in chunks if ch.choices for d in ch.choices[0].delta.tool_calls or []]
+            first = deltas[0]  # OpenAI's shape: id, type and name first, then argument fragments
+            assert first.id.startswith("call_") and first.type == "function" and first.index == 0
+            assert (first.function.name, first.function.arguments) == (call.function.name, "")
+            assert all(d.id is None and d.function.name is None and d.index == 0 for d in deltas[1:])
+            assert [d.function.arguments for d in deltas[1:]] == fragments
+            last, usage = chunks[-2:]
+            assert last.choices[0].finish_reason == "tool_calls" and last.choices[0].delta.tool_calls is None
+            assert usage.choices == [] and usage.usage.completion_tokens == r.usage.completion_tokens
+        replies = set()
+        for messages, max_tokens in ((ASK, 8), (AGAIN, 32)):  # greedy, the packaged model answers ASK in text,
+            ask = dict(model=s.model, messages=messages, max_tokens=max_tokens, temperature=0,  # AGAIN with a call
+                       tools=[WEATHER, TIME])
+            auto = await c.chat.completions.create(**ask)  # auto: a call, or text that does not start like one
+            message = auto.choices[0].message
+            if message.tool_calls:
+                assert auto.choices[0].finish_reason == "tool_calls" and message.content is None
+                jsonschema.validate(json.loads(message.tool_calls[0].function.arguments),
+                                    WEATHER["function"]["parameters"])
+            else:
+                assert not message.content.startswith("{")
+            replies.add("call" if message.tool_calls else "text")
+            _same_reply((await _streamed(c, **ask))[0], auto)
+        assert replies == {"text", "call"}  # both kinds of auto reply were streamed
         none = await c.chat.completions.create(model=s.model, messages=ASK, max_tokens=8, temperature=0,
                                                tools=[WEATHER], tool_choice="none")
         assert none.choices[0].message.tool_calls is None and none.choices[0].finish_reason in ("stop", "length")
@@ -89,7 +133,9 @@ async def test_tool_calls_named_required_auto_and_none(real_engine):
                            (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}),
                             "tool_choice"),
                            (dict(tools=[WEATHER, WEATHER]), "tools"),
+                           (dict(tools=[WEATHER], parallel_tool_calls="yes"), "parallel_tool_calls"),
                            (dict(tools=[WEATHER], response_format={"type": "json_object"}), "response_format")):
             with pytest.raises(openai.BadRequestError) as err:
                 await c.chat.completions.create(model=s.model, messages=ASK, **bad)
             assert err.value.param == param, err.value.message
+            assert err.value.status_code == 400 and err.value.body["type"] == "invalid_request_error"

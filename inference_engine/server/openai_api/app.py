@@ -159,7 +159,8 @@ async def _respond(s: Serving, job: CompletionJob):
                     if job.include_usage:
                         yield _data(writer.usage_chunk(item))
                 else:
-                    yield _data(writer.chunk(item, wants_logprobs))
+                    for chunk in writer.chunks(item, wants_logprobs):
+                        yield _data(chunk)
                 try:
                     item = await events.__anext__()
                 except StopAsyncIteration:

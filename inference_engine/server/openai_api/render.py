@@ -1,9 +1,13 @@
 """OpenAI's response objects from our chunks: chat.completion(.chunk) and text_completion.
 
 One `ResponseWriter` per request holds what a stream needs across chunks (whether a
-choice's role was sent, the text offset of completions logprobs). Every choice also
-carries `token_ids`, the generated ids (an extension: exactness checks and models
-without a tokenizer).
+choice's role was sent, the text offset of completions logprobs, each reply's `CallReader`
+under tools). Every choice also carries `token_ids`, the generated ids (an extension:
+exactness checks and models without a tokenizer).
+
+A tool call streams as OpenAI streams one: a chunk whose delta holds the call's `index`, `id`,
+`type` and `function.name` with `arguments` "", then chunks with more of `function.arguments`
+as it is generated, then a chunk with an empty delta and finish_reason `tool_calls`.
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ from inference_engine.decoding.logprobs import TokenLogprobs
 from inference_engine.runtime.types import StopReason
 from inference_engine.server.model_info import ModelInfo
 from inference_engine.server.openai_api.completions import ChoiceChunk, CompletionUsage
-from inference_engine.server.openai_api.tools import ToolCall, ToolPlan, parse_call
+from inference_engine.server.openai_api.call_reader import CallReader
+from inference_engine.server.openai_api.tools import ToolCall, ToolPlan
 from inference_engine.text.codec import TextCodec
 
 FINISH_REASONS = {
@@ -54,8 +59,8 @@ class ResponseWriter:
     def __init__(self, is_chat: bool, model: str, fingerprint: str, codec: TextCodec | None, n: int,
                  tools: ToolPlan | None = None):
         self.is_chat = is_chat
-        self.tools = tools  # a reply may be a tool call: its text is held until it is known not to be one
-        self._is_call: list[bool | None] = [None] * n  # per choice: a call, text, or not known yet
+        self.tools = tools  # a reply may be a tool call: each choice's reply is read by a CallReader
+        self._readers = [CallReader(tools.names) for _ in range(n)] if tools is not None else []
         self.model = model
         self.fingerprint = fingerprint
         self.text_of = token_text(codec)
@@ -90,42 +95,49 @@ class ResponseWriter:
 
         return {**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, x) for t, x in lp.top]}
 
-    def chunk(self, c: ChoiceChunk, wants_logprobs: bool) -> dict[str, Any]:
-        """The streamed chunk of one piece of one choice."""
+    def chunks(self, c: ChoiceChunk, wants_logprobs: bool) -> list[dict[str, Any]]:
+        """The streamed chunks of one piece of one choice (one, or a tool call's several: see the module)."""
         i, ch = c.index, c.chunk
         finish = FINISH_REASONS[ch.stop_reason] if ch.stop_reason else None
         logprobs = self._logprobs_object(i, list(ch.logprobs)) if wants_logprobs and ch.logprobs else None
         choice: dict[str, Any] = {"index": i, "logprobs": logprobs, "finish_reason": finish,
                                   "token_ids": list(ch.tokens)}
-        if self.is_chat:
-            delta: dict[str, Any] = {"content": ch.text} if ch.text or not finish else {}
-            if self.tools is not None:
-                delta, finish = self._tool_delta(i, ch.text, finish)
-                choice["finish_reason"] = finish
-            if not self._role_sent[i]:
-                delta["role"] = "assistant"
-                self._role_sent[i] = True
-            choice["delta"] = delta
-            return {**self._head("chat.completion.chunk"), "choices": [choice]}
-        choice["text"] = ch.text
-        return {**self._head("text_completion"), "choices": [choice]}
+        if not self.is_chat:
+            choice["text"] = ch.text
+            return [{**self._head("text_completion"), "choices": [choice]}]
+        deltas: list[dict[str, Any]] = [{"content": ch.text} if ch.text or not finish else {}]
+        if self.tools is not None:
+            deltas, finish = self._tool_deltas(i, ch.text, finish)
+        if not self._role_sent[i]:
+            deltas[0]["role"] = "assistant"
+            self._role_sent[i] = True
+        out = []
+        for n, delta in enumerate(deltas):  # the piece's tokens and logprobs ride on its first chunk
+            is_last = n == len(deltas) - 1
+            extra = choice if n == 0 else {"index": i, "logprobs": None, "token_ids": []}
+            out.append({**self._head("chat.completion.chunk"),
+                        "choices": [{**extra, "finish_reason": finish if is_last else None, "delta": delta}]})
+        return out
 
-    def _tool_delta(self, i: int, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
-        """A streamed piece of a reply that may be a tool call: text goes out once the reply's first character
-        shows it is no call (`{` starts every call); a call goes out whole, with its arguments, when it ends."""
-        self._text[i] += text
-        if self._is_call[i] is None and self._text[i]:
-            self._is_call[i] = self._text[i].startswith("{")
-            if not self._is_call[i]:
-                text = self._text[i]  # the held text goes out now
-        if self._is_call[i] is False:
-            return ({"content": text} if text or not finish else {}), finish
-        if finish is None:
-            return {}, None
-        call = parse_call(self._text[i], self.tools.names)  # type: ignore[union-attr]
-        if call is None:  # cut short (length) before the call was complete: its text as content
-            return {"content": self._text[i]}, finish
-        return {"tool_calls": [_call_object(call, index=0)]}, "tool_calls"
+    def _tool_deltas(self, i: int, text: str, finish: str | None) -> tuple[list[dict[str, Any]], str | None]:
+        """The deltas of a piece of a reply that may be a tool call, and the choice's finish_reason."""
+        reader = self._readers[i]
+        pieces = [reader.read(text)]
+        if finish is not None:
+            pieces.append(reader.end())
+            if reader.is_complete:
+                finish = "tool_calls"
+        deltas: list[dict[str, Any]] = []
+        for p in pieces:
+            if p.content:
+                deltas.append({"content": p.content})
+            if p.call is not None:
+                deltas.append({"tool_calls": [_call_object(p.call, index=0)]})
+            if p.arguments:
+                deltas.append({"tool_calls": [{"index": 0, "function": {"arguments": p.arguments}}]})
+        if not deltas or (finish is not None and reader.call is not None):
+            deltas.append({})  # a call's finish_reason comes in a chunk of its own, as OpenAI's does
+        return deltas, finish
 
     def usage_chunk(self, u: CompletionUsage) -> dict[str, Any]:
         """The last streamed chunk when stream_options.include_usage: no choices, the usage."""
@@ -148,10 +160,12 @@ class ResponseWriter:
             logprobs = self._logprobs_object(i, self._logprobs[i]) if wants_logprobs else None
             choice: dict[str, Any] = {"index": i, "logprobs": logprobs, "finish_reason": self._finish[i],
                                       "token_ids": self._tokens[i]}
-            call = parse_call(text, self.tools.names) if self.tools is not None else None
-            if call is not None:
+            reader = _read_whole(text, self.tools.names) if self.tools is not None else None
+            if reader is not None and reader.call is not None:  # as streamed: cut short, it keeps its finish
+                call = ToolCall(reader.call.id, reader.call.name, reader.arguments)
                 choice["message"] = {"role": "assistant", "content": None, "tool_calls": [_call_object(call)]}
-                choice["finish_reason"] = "tool_calls"
+                if reader.is_complete:
+                    choice["finish_reason"] = "tool_calls"
             elif self.is_chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
@@ -159,6 +173,14 @@ class ResponseWriter:
             choices.append(choice)
         head = self._head("chat.completion" if self.is_chat else "text_completion")
         return {**head, "choices": choices, "usage": usage_object(u)}
+
+
+def _read_whole(text: str, names: tuple[str, ...]) -> CallReader:
+    """A reply read as the stream reads it, in one piece."""
+    reader = CallReader(names)
+    reader.read(text)
+    reader.end()
+    return reader
 
 
 def _call_object(call: ToolCall, **extra: int) -> dict[str, Any]:

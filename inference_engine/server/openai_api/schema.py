@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 
 class Body(BaseModel):
@@ -138,7 +138,8 @@ class ChatCompletionRequest(SamplingFields):
         default=None, description="default auto with tools; none, required, or a named function")
     functions: Any = Field(default=None, description="not supported")
     function_call: Any = Field(default=None, description="not supported")
-    parallel_tool_calls: Any = Field(default=None, description="not supported")
+    parallel_tool_calls: StrictBool | None = Field(default=None, description="true or false: accepted; a reply "
+                                                   "makes at most one call")
 
 
 class CompletionRequest(SamplingFields):

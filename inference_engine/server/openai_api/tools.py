@@ -7,14 +7,15 @@ constraint chosen by tool_choice:
 - `required` or a named function: one JSON call object `{"name": ..., "arguments": {...}}` whose
   arguments validate against the function's `parameters` schema;
 - `auto` (the default): either free text not starting with `{`, or such a call object.
-A reply that is a complete call object is returned as `tool_calls` (finish_reason `tool_calls`).
+A reply that is a complete call object is returned as `tool_calls` (finish_reason `tool_calls`),
+its arguments the model's own text, streamed as they come (call_reader.py). A reply makes at most
+one call: `parallel_tool_calls` true or false is accepted, and false is what the constraint does.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import secrets
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,17 +120,6 @@ def with_tools(messages: list[ChatMessage], plan: ToolPlan | None) -> list[ChatM
     if messages and messages[0].role == "system":
         return [ChatMessage("system", f"{messages[0].content}\n\n{plan.system}"), *messages[1:]]
     return [ChatMessage("system", plan.system), *messages]
-
-
-def parse_call(text: str, names: tuple[str, ...]) -> ToolCall | None:
-    """The call `text` makes, if it is one complete call object of a function in `names`."""
-    try:
-        obj = json.loads(text)
-    except ValueError:
-        return None
-    if not isinstance(obj, dict) or obj.get("name") not in names or not isinstance(obj.get("arguments"), dict):
-        return None
-    return ToolCall("call_" + secrets.token_hex(12), obj["name"], json.dumps(obj["arguments"], separators=(",", ":")))
 
 
 def message_text(role: str, content: str, tool_calls: list[dict[str, Any]] | None, tool_call_id: str | None) -> \
