@@ -101,6 +101,8 @@ def test_text_calls_cut_short_and_unknown_names():
     assert reader.call is None and pieces[-1].content == '{"name":"g","arguments":{}}'
     reader, _ = _read(['{"name":"f","arguments":{"a":1}  '])  # no call's closing `}`: cut short
     assert reader.call is not None and not reader.is_complete
+    reader, _ = _read(['{"name":"f","arguments":{"a":{}}'])  # the `}` closes the arguments: cut short
+    assert not reader.is_complete and reader.arguments == '{"a":{}}'
 
 
 def test_streamed_replies_under_tools():
