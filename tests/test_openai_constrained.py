@@ -26,7 +26,7 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 AGAIN = [{"role": "user", "content": "Weather in Paris?"},  # a call before: the small model calls again
          {"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function", "function": {
              "name": "get_weather", "arguments": '{"city":"Paris","unit":"celsius"}'}}]},
-         {"role": "user", "content": "Weather in London?"}]
+         {"role": "user", "content": "Weather in 東京?"}]  # greedy: a call whose city has characters of several tokens
 
 
 async def test_response_format_json_schema_and_json_object(real_engine):
@@ -111,14 +111,17 @@ async def test_tool_calls_named_required_auto_and_none(real_engine):
                        tools=[WEATHER, TIME])
             auto = await c.chat.completions.create(**ask)  # auto: a call, or text that does not start like one
             message = auto.choices[0].message
+            streamed, _, fragments = await _streamed(c, **ask)
+            _same_reply(streamed, auto)
             if message.tool_calls:
+                arguments = message.tool_calls[0].function.arguments
                 assert auto.choices[0].finish_reason == "tool_calls" and message.content is None
-                jsonschema.validate(json.loads(message.tool_calls[0].function.arguments),
-                                    WEATHER["function"]["parameters"])
+                jsonschema.validate(json.loads(arguments), WEATHER["function"]["parameters"])
+                assert not arguments.isascii() and "".join(fragments) == arguments
+                assert not any("\ufffd" in f for f in fragments)  # no fragment splits a character
             else:
                 assert not message.content.startswith("{")
             replies.add("call" if message.tool_calls else "text")
-            _same_reply((await _streamed(c, **ask))[0], auto)
         assert replies == {"text", "call"}  # both kinds of auto reply were streamed
         none = await c.chat.completions.create(model=s.model, messages=ASK, max_tokens=8, temperature=0,
                                                tools=[WEATHER], tool_choice="none")
