@@ -67,6 +67,8 @@ def test_rendering_and_parsing():
     assert message_text("assistant", "", calls, None) == ("assistant", '{"name":"f","arguments":{"a":1}}\n'
                                                                       '{"name":"f","arguments":"{oops"}')
     assert message_text("assistant", "ok", calls[:1], None)[1].startswith("ok\n")
+    city = [{"function": {"name": "f", "arguments": '{"city":"河南"}'}}]  # a reply's call, re-rendered as written
+    assert message_text("assistant", "", city, None)[1] == '{"name":"f","arguments":{"city":"河南"}}'
     assert message_text("tool", "18 C", None, "call_1") == ("user", "Tool result (call_1): 18 C")
     assert message_text("user", "x", None, None) == ("user", "x")
 

@@ -136,6 +136,8 @@ def message_text(role: str, content: str, tool_calls: list[dict[str, Any]] | Non
                 args = json.loads(f.get("arguments") or "{}")
             except ValueError:
                 args = f.get("arguments")
-            calls.append(json.dumps({"name": f.get("name"), "arguments": args}, separators=(",", ":")))
+            # as the model wrote it (compact, characters unescaped): the next turn reuses the cached reply
+            calls.append(json.dumps({"name": f.get("name"), "arguments": args}, separators=(",", ":"),
+                                    ensure_ascii=False))
         return role, "\n".join([content, *calls]) if content else "\n".join(calls)
     return role, content
