@@ -1,4 +1,4 @@
-"""The chat log in the snapshot file (format version 2): exact round trips, version 1 files read
+"""The chat log in the snapshot file (format versions 2 and 3): exact round trips, version 1 files read
 with an empty log, and every chat section a forged file could carry checked against the history."""
 
 import dataclasses
@@ -40,7 +40,7 @@ def test_the_chat_log_round_trips_exactly(chat):
     back = fmt.decode(data)
     assert back.chat == chat and back.history_length == N
     assert fmt.encode(back) == data
-    assert data[8:12] == fmt.FORMAT_VERSION.to_bytes(4, "little") == b"\2\0\0\0"
+    assert data[8:12] == fmt.FORMAT_VERSION.to_bytes(4, "little") == b"\3\0\0\0"
 
 
 def test_a_version_1_file_reads_with_an_empty_chat_log():

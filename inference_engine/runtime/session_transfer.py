@@ -38,6 +38,8 @@ from typing import Any
 
 from inference_engine.serving_path import kernels_in_use
 from inference_engine.errors import (
+    FeatureUnavailable,
+    InvalidConstraint,
     InvalidRequest,
     InvariantViolation,
     RuntimeServiceError,
@@ -218,6 +220,7 @@ class SessionTransfer:
             intake.release()  # the arrays of `snap` keep what they use
             self._check_owner(snap.identity, p)
             self.check_fits(snap)
+            await self.check_constraint(snap)
             return await self._install(snap, self.store.new_id(), p.owner), snap
 
     def _check_head(self, head: SnapshotHead, p: RestoreParams) -> None:
@@ -254,19 +257,24 @@ class SessionTransfer:
         self.store.reserve()
         source.touch()
         snap = await self.capture(source)
-        session = await self.adopt(snap, self.store.new_id(), owner)
-        session.constraint = source.constraint  # a constrained output continues on the fork (same tokens)
+        # The constraint run the capture saw is this server's own, compiled already: not checked again.
+        session = await self.adopt(snap, self.store.new_id(), owner, is_own_constraint=True)
         log.info("session %s forked from %s (%d tokens)", session.tag, source.tag, snap.history_length)
         return self._restored(session, snap)
 
-    async def adopt(self, snap: SessionSnapshot, session_id: str, owner: str, created_ns: int | None = None) -> Session:
+    async def adopt(self, snap: SessionSnapshot, session_id: str, owner: str, created_ns: int | None = None,
+                    is_own_constraint: bool = False) -> Session:
         """Register a new session holding `snap`'s state (checked first; all or nothing).
 
+        Args:
+            is_own_constraint: `snap`'s constraint run is a live session's here (a fork): its compile is skipped.
         Raises:
             SnapshotIncompatible, SnapshotCorrupt: see `check_fits`. PoolExhausted: no slab is free.
             RuntimeServiceError: the backend could not hold it.
         """
         self.check_fits(snap)
+        if not is_own_constraint:
+            await self.check_constraint(snap)
         f = snap.fingerprint
         with self.store.reservation(self.engine.slab_bytes(f.sink, f.window)):  # held from here, released on any failure
             return await self._install(snap, session_id, owner, created_ns)
@@ -280,7 +288,8 @@ class SessionTransfer:
         coordinator = await self.engine.run(
             lambda: install(snap, self.engine.backend, geometry, short_id(session_id), prepared))
         session = Session(session_id, coordinator, f.sink, f.window, snap.eos_token_ids, snap.client_label,
-                          owner=owner, chat=snap.chat)  # the next chat turn renders as on the original
+                          owner=owner, chat=snap.chat,  # the next chat turn renders as on the original
+                          constraint=snap.constraint)  # and a constrained output continues as on the original
         if created_ns is not None:
             session.created_ns = created_ns
         try:
@@ -316,6 +325,25 @@ class SessionTransfer:
         bad = [what for what, is_bad in problems.items() if is_bad]
         if bad:
             raise SnapshotCorrupt(f"the snapshot does not fit this model: {'; '.join(bad)}", "data")
+
+    async def check_constraint(self, snap: SessionSnapshot) -> None:
+        """The snapshot's constraint is one a request could pass here and compiles, as the next constrained call
+        will compile it (off the loop; checked before any slab is reserved for a file's or a persisted session).
+
+        Raises:
+            SnapshotCorrupt: its source is over --max-text-chars (a request's bound, checked before compiling), it
+                does not compile, or this model has no tokenizer (its writer could not have run one).
+        """
+        if snap.constraint is None:
+            return
+        c, limit = snap.constraint.constraint, self.config.max_text_chars
+        if len(c.source) > limit:
+            raise SnapshotCorrupt(f"the snapshot's {c.kind} constraint has {len(c.source)} characters; a request's "
+                                  f"constraint may have at most {limit} (--max-text-chars)", "data")
+        try:
+            await asyncio.to_thread(self.runtime.constraints.matcher, c)
+        except (InvalidConstraint, FeatureUnavailable) as exc:
+            raise SnapshotCorrupt(f"the snapshot's {c.kind} constraint cannot run here: {exc}", "data") from None
 
     async def _file_chunks(self, name: str) -> AsyncIterator[bytes]:
         """The bytes of the snapshot file `name` under the snapshot folder, a chunk at a time

@@ -38,7 +38,8 @@ def capture(session: Session, fingerprint: Fingerprint, identity: PersistedIdent
         raise SessionNotFound(f"session {session.session_id!r} was closed before its snapshot was taken")
     tokens, logits, kv = session.coordinator.export_state()
     return SessionSnapshot(fingerprint, session.eos_token_ids, session.client_label,
-                           np.array(tokens, dtype=np.uint32), logits, kv, "", identity, session.chat)
+                           np.array(tokens, dtype=np.uint32), logits, kv, "", identity, session.chat,
+                           session.constraint)
 
 
 def seal(snapshot: SessionSnapshot) -> SessionSnapshot:

@@ -1,10 +1,10 @@
-"""The session snapshot file (format version 2): a session's complete state as bytes.
+"""The session snapshot file (format version 3): a session's complete state as bytes.
 
 Layout (integers little-endian):
 
     offset   size  field
     0        8     magic b"\\x89IESNAP\\n" (binary: a text-mode copy breaks it, as PNG's does)
-    8        4     format version, uint32 (2; version 1 is still read)
+    8        4     format version, uint32 (3; versions 1 and 2 are still read)
     12       4     header length H, uint32 (at most MAX_HEADER_BYTES)
     16       H     header: UTF-8 JSON object, keys sorted, no spaces (below)
     16+H     ...   sections, back to back in header order, each prod(shape) x itemsize bytes, C order
@@ -15,14 +15,16 @@ told apart from a newer one: the checksum is checked before the version (damaged
 SnapshotCorrupt, INVALID_ARGUMENT; sound but another version: SnapshotIncompatible,
 FAILED_PRECONDITION).
 
-Header, version 2:
+Header, version 3:
   fingerprint  model, tokenizer, kernels, block_size, exact, sink, window (see `Fingerprint`)
   session      eos_token_ids, client_label
   state        history_length N, state_digest (GetSessionInfo's, of the state in this file)
   sections     [{name, dtype, shape}]: tokens <u4 (N,); logits <f4 or <f2 (V,), absent when N = 0;
                keys and values <f4 or <f2 (layers, n_kv, n, head_dim), n = the positions the next
                query sees besides itself (the sinks, then the window, in position order);
-               chat |u1 (B,): the session's chat log as UTF-8 JSON {reply_from, turns} (below)
+               chat |u1 (B,): the session's chat log as UTF-8 JSON {reply_from, turns} (below);
+               constraint |u1 (C,): the constraint run, UTF-8 JSON {kind, source, start} (below), absent
+               when the session has none
   persisted    optional {session_id, owner, created_ns}: only in files a server writes for
                itself (--persist-sessions, SnapshotSession to_dir); never in streamed bytes
 
@@ -34,10 +36,18 @@ section, not a header field: a long conversation's messages can outgrow the head
 Decoding checks it against N: spans in order, 0 <= start <= end <= N, reply_from in
 [last end, N].
 
+The constraint section is the `ConstraintRun` of the session's last constrained Generate: the
+constraint (kind: json_schema, json_object, regex or grammar; source: its text) and `start`, the
+history length where its output began. The matcher itself is not saved: the next constrained call
+re-derives it from tokens[start:] (ConstraintCompiler.resume), as it does on the original, so a
+copy continues a constrained output cut by max_new_tokens exactly. Decoding checks the kind and
+0 <= start <= N; whether the source compiles is checked on restore, against the tokenizer.
+
 Versions: a field that changes what a restored session does bumps the version, so an older
 server refuses the file (SnapshotIncompatible) instead of restoring a copy that diverges.
-Version 2 added the chat section. A version 1 file (never any chat section) is still read, as
-a session with an empty chat log: exactly what it records, and what its writer restored.
+Version 2 added the chat section, version 3 the constraint section. A version 1 file (never any
+chat section) is still read, as a session with an empty chat log, and a version 1 or 2 file as a
+session without a constraint: exactly what it records, and what its writer restored.
 
 K/V are canonical (the retained positions in order, what the digest hashes), not ring slots:
 a snapshot does not depend on the ring's slack (block size, rollback room) nor on where the
@@ -60,11 +70,12 @@ import numpy as np
 from inference_engine.errors import SnapshotCorrupt, SnapshotIncompatible
 from inference_engine.text.chat import ChatLog, ReplySpan
 from inference_engine.text.codec import ChatMessage
+from inference_engine.text.constraint import CONSTRAINT_KINDS, Constraint, ConstraintRun
 from inference_engine.execution.kv_cache import CanonicalKV
 
 MAGIC = b"\x89IESNAP\n"
-FORMAT_VERSION = 2  # what encode writes
-READ_VERSIONS = (1, 2)  # what decode reads (1: no chat section, an empty chat log)
+FORMAT_VERSION = 3  # what encode writes
+READ_VERSIONS = (1, 2, 3)  # what decode reads (1: no chat section, an empty chat log; 1, 2: no constraint)
 MAX_HEADER_BYTES = 1 << 20
 _PREAMBLE = struct.Struct("<8sII")  # magic, version, header length
 _DIGEST_BYTES = 32
@@ -117,6 +128,7 @@ class SessionSnapshot:
     state_digest: str  # hex SHA-256 of this state (GetSessionInfo.state_digest)
     identity: PersistedIdentity | None = None  # set in server-written files only
     chat: ChatLog = ChatLog()  # messages and reply spans: how the next chat turn is rendered
+    constraint: ConstraintRun | None = None  # the constraint its last constrained Generate ran under, and where
 
     @property
     def history_length(self) -> int:
@@ -192,6 +204,8 @@ def encode(snapshot: SessionSnapshot) -> bytes:
         arrays.append(("logits", _little(snapshot.logits)))
     arrays += [("keys", _little(kv.keys)), ("values", _little(kv.values))]
     arrays.append(("chat", np.frombuffer(_chat_bytes(snapshot.chat), dtype="|u1")))
+    if snapshot.constraint is not None:  # absent otherwise: a session without one gives the version 2 layout
+        arrays.append(("constraint", np.frombuffer(_constraint_bytes(snapshot.constraint), dtype="|u1")))
     header: dict[str, Any] = {
         "fingerprint": {"model": f.model, "tokenizer": f.tokenizer, "kernels": f.kernels, "block_size": f.block_size,
                         "exact": f.is_exact, "sink": f.sink, "window": f.window},
@@ -249,7 +263,7 @@ def _parse(header: dict[str, Any], body: memoryview, version: int) -> SessionSna
         name, dtype = _str(section["name"]), np.dtype(_str(section["dtype"]))
         shape = [_int(n) for n in section["shape"]]
         allowed = ("<u4",) if name == "tokens" else _FLOAT_DTYPES if name in ("logits", "keys", "values") else (
-            ("|u1",) if name == "chat" and version >= 2 else ())
+            ("|u1",) if (name == "chat" and version >= 2) or (name == "constraint" and version >= 3) else ())
         if dtype.str not in allowed or name in arrays:
             raise SnapshotCorrupt(f"unexpected snapshot section {name!r} of dtype {dtype.str}", "data")
         size = math.prod(shape) * dtype.itemsize
@@ -270,12 +284,13 @@ def _parse(header: dict[str, Any], body: memoryview, version: int) -> SessionSna
                               f"{list(tokens.shape)}, keys {list(keys.shape)}, values {list(values.shape)}, "
                               f"logits {None if logits is None else list(logits.shape)})", "data")
     chat = _chat_log(arrays["chat"], n) if version >= 2 else ChatLog()
+    constraint = _constraint_run(arrays["constraint"], n) if "constraint" in arrays else None
     identity = None
     if "persisted" in header:
         p = header["persisted"]
         identity = PersistedIdentity(_str(p["session_id"]), _str(p["owner"]), _int(p["created_ns"]))
     return SessionSnapshot(fingerprint, tuple(_int(t) for t in sess["eos_token_ids"]), _str(sess["client_label"]),
-                           tokens, logits, CanonicalKV(n, keys, values), digest, identity, chat)
+                           tokens, logits, CanonicalKV(n, keys, values), digest, identity, chat, constraint)
 
 
 def _chat_bytes(chat: ChatLog) -> bytes:
@@ -315,6 +330,33 @@ def _chat_log(section: np.ndarray, n: int) -> ChatLog:
     if reply_from is not None and not end <= _int(reply_from) <= n:
         raise SnapshotCorrupt(f"the snapshot's chat log has reply_from {reply_from} outside [{end}, {n}]", "data")
     return ChatLog(tuple(turns), reply_from)
+
+
+def _constraint_bytes(run: ConstraintRun) -> bytes:
+    """The constraint section: the run as UTF-8 JSON, keys sorted (equal runs give equal bytes)."""
+    doc = {"kind": run.constraint.kind, "source": run.constraint.source, "start": run.start}
+    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _constraint_run(section: np.ndarray, n: int) -> ConstraintRun:
+    """The constraint section's run, checked against a history of `n` tokens (its source is not compiled here).
+
+    Raises:
+        SnapshotCorrupt: an unknown kind, or a start outside the history.
+        ValueError, KeyError, TypeError: not the JSON `_constraint_bytes` writes (decode reports them as corrupt).
+    """
+    if section.ndim != 1:
+        raise TypeError(f"the constraint section has shape {list(section.shape)}, expected one dimension")
+    doc = json.loads(section.tobytes().decode("utf-8"))
+    if not isinstance(doc, dict) or set(doc) != {"kind", "source", "start"}:
+        raise TypeError("the constraint section is not an object {kind, source, start}")
+    kind, source, start = _str(doc["kind"]), _str(doc["source"]), _int(doc["start"])
+    if kind not in CONSTRAINT_KINDS:
+        raise SnapshotCorrupt(f"the snapshot's constraint has kind {kind[:40]!r}; the kinds are "
+                              f"{', '.join(CONSTRAINT_KINDS)}", "data")
+    if start > n:
+        raise SnapshotCorrupt(f"the snapshot's constraint starts at {start}, past its history of {n} tokens", "data")
+    return ConstraintRun(Constraint(kind, source), start)  # type: ignore[arg-type]  # kind checked above
 
 
 def check_compatible(snapshot: SessionSnapshot | SnapshotHead, here: Fingerprint) -> None:

@@ -26,6 +26,7 @@ from inference_engine.errors import FeatureUnavailable, InvalidConstraint, Invar
 from inference_engine.text.codec import TextCodec
 
 ConstraintKind = Literal["json_schema", "json_object", "regex", "grammar"]
+CONSTRAINT_KINDS: tuple[ConstraintKind, ...] = ("json_schema", "json_object", "regex", "grammar")
 ANY_JSON_OBJECT = '{"type": "object"}'  # json_object: any object, as llguidance reads a schema
 # JSON is compact (`,` and `:`, no whitespace between tokens): with whitespace allowed a small model
 # can pad an object with newlines until max_new_tokens. A schema's own "x-guidance" options override it.
