@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from reliabilitykit.forged_snapshots import forged_constraint_snapshots
 from reliabilitykit.outcomes import Outcome, call_outcome, outcome_of, typing_problem
 from reliabilitykit.report import SectionReport
 from reliabilitykit.sessions import (
@@ -199,6 +200,14 @@ def _restore_cases() -> list[BadCase]:
     ]
 
 
+def _forged_snapshot_cases(snapshot: bytes) -> list[BadCase]:
+    """Sound snapshots of the victim with a forged constraint run (forged_snapshots.py): refused, nothing restored."""
+    rs = pb.RestoreSessionRequest
+    return [BadCase(f"a snapshot with {what}", "RestoreSession", [rs(data=blob)], IA, reason,
+                    field="data")
+            for what, (blob, reason) in forged_constraint_snapshots(snapshot, MAX_TEXT_CHARS).items()]
+
+
 def _feature_cases(lim: Limits, victim: str) -> list[BadCase]:
     """Requests a model without a tokenizer (or chat template, or draft model) cannot serve."""
     rows = []
@@ -337,7 +346,9 @@ async def run_bad_input(channel: grpc.aio.Channel) -> SectionReport:
     fresh = await open_session(stub, (), 1)
     try:
         before = {victim: await state_of(stub, victim), fresh: await state_of(stub, fresh)}
-        cases = bad_cases(lim, victim, fresh)
+        snapshot = b"".join([m.data async for m in stub.SnapshotSession(pb.SnapshotSessionRequest(session_id=victim),
+                                                                        timeout=RPC_TIMEOUT_S)])
+        cases = bad_cases(lim, victim, fresh) + _forged_snapshot_cases(snapshot)
         for case in cases:
             _judge(report, case, await _send(channel, case))
             for sid, state in before.items():

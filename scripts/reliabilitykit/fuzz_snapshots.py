@@ -2,8 +2,10 @@
 
 RestoreSession is client-streaming, so its drawn request is a list of messages (or of raw
 byte strings): a valid snapshot of the live session cut into random chunks, the same with a
-byte changed, cut short, extended or replaced by random bytes, `file` names that try to leave
---snapshot-dir, and both `file` and `data` together. The property (fuzz.py) holds as for the
+byte changed, cut short, extended or replaced by random bytes, the same resealed with a drawn
+constraint run (a kind, known or not; a source, valid or random text; a start up to past the
+history: forged_snapshots.py), `file` names that try to leave --snapshot-dir, and both `file`
+and `data` together. The property (fuzz.py) holds as for the
 other methods, and also for the calls that succeed: the live session is never changed, and a
 session that a fork or restore creates reports the digest its response promised.
 """
@@ -12,17 +14,24 @@ from __future__ import annotations
 
 from typing import Callable
 
+from reliabilitykit.forged_snapshots import with_constraint
+from inference_engine.session import snapshot_format as fmt
+from inference_engine.text.constraint import CONSTRAINT_KINDS, Constraint, ConstraintRun
 from inference_engine.v1 import runtime_pb2 as pb
 
 # Names under --snapshot-dir a client may try: absent, escaping, absolute, odd.
 ODD_FILES = ["", "missing.snap", "../escape.snap", "/etc/passwd", "a/../../b", ".", "..", "x" * 300, "nul\0byte"]
-RESTORE_SHAPES = ["valid", "flip", "cut", "extend", "random", "file", "file and data", "no message"]
+RESTORE_SHAPES = ["valid", "flip", "cut", "extend", "random", "constraint", "file", "file and data", "no message"]
+# Constraint sources a drawn run may carry besides random text: valid and invalid, of every kind.
+SOURCES = ["[0-9]+", "[a-", '{"type": "object"}', '{"type": 3}', "{not json", 'start: "yes" | "no"', "start: nowhere"]
 
 
 def snapshot_strategies(st: object, Fuzzed: Callable, victim: str, wild_ids: object, text: object,  # noqa: N803
                         snapshot: bytes) -> dict[str, object]:
     """One hypothesis strategy per transfer RPC (drawing `Fuzzed` records); `snapshot` is a valid one of `victim`."""
     ids = st.one_of(st.just(victim), st.just(victim), wild_ids)
+    decoded = fmt.decode(snapshot)
+    n = decoded.history_length
 
     @st.composite
     def snapshot_or_fork(draw: Callable) -> Fuzzed:
@@ -48,6 +57,10 @@ def snapshot_strategies(st: object, Fuzzed: Callable, victim: str, wild_ids: obj
             data = data + draw(st.binary(min_size=1, max_size=16))
         elif shape == "random":
             data = draw(st.binary(min_size=1, max_size=256))
+        elif shape == "constraint":
+            kind = draw(st.sampled_from([*CONSTRAINT_KINDS, "lark", ""]))
+            source = draw(st.one_of(st.sampled_from(SOURCES), text))
+            data = with_constraint(decoded, ConstraintRun(Constraint(kind, source), draw(st.integers(0, n + 2))))
         if shape in ("file", "file and data"):
             name = draw(st.one_of(st.sampled_from(ODD_FILES), text))
             messages = [pb.RestoreSessionRequest(file=name)]
