@@ -164,7 +164,9 @@ class RuntimeServiceServicer:
         message naming a file under --snapshot-dir. Its state_digest and every later token equal
         the original's. FAILED_PRECONDITION when the snapshot comes from another format version,
         model, tokenizer, kernels, block size or mode, or its sink/window exceed this server's limits;
-        INVALID_ARGUMENT when it is truncated, corrupted or not a snapshot.
+        INVALID_ARGUMENT when it is truncated, corrupted or not a snapshot, or when the constraint run
+        it carries (format version 3) does not compile or is over --max-text-chars. A restored
+        session continues a constrained output under its constraint.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
