@@ -48,6 +48,7 @@ class ServerConfig:
     max_rollback: int = 8  # most trailing tokens commit_or_truncate may drop (largest draft block)
     max_tokens_per_request: int = 8192  # tokens in one AppendTokens
     max_text_chars: int = 65536  # characters of text in one request (text, or messages' contents together), before tokenizing
+    text_process_chars: int = 8192  # texts of >= this many characters (token lists: tokens) use tokenizer processes
     max_new_tokens: int = 4096  # upper bound of GenerateRequest.max_new_tokens
     default_new_tokens: int = 512  # max_new_tokens of a request that says 0
     session_ttl_s: float = 900.0  # idle sessions expire after this
@@ -113,6 +114,10 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-text-chars", type=int, default=d.max_text_chars,
                         help="characters of text one request may carry (text, or the messages' contents together), "
                         "checked before tokenizing")
+    parser.add_argument("--text-process-chars", type=int, default=d.text_process_chars,
+                        help="texts of at least this many characters (token lists of this many tokens) are "
+                        "tokenized in separate low-priority processes, so they cannot slow other clients' "
+                        "streams (0 = all in the server process)")
     parser.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens,
                         help="largest max_new_tokens a Generate may ask for")
     parser.add_argument("--default-new-tokens", type=int, default=d.default_new_tokens,
@@ -221,6 +226,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_sessions=args.max_sessions, max_kv_bytes=args.max_kv_bytes, default_sink=args.default_sink, default_window=args.default_window,
         max_sink=args.max_sink, max_window=args.max_window, max_rollback=args.max_rollback,
         max_tokens_per_request=args.max_tokens_per_request, max_text_chars=args.max_text_chars,
+        text_process_chars=args.text_process_chars,
         max_new_tokens=args.max_new_tokens,
         default_new_tokens=args.default_new_tokens,
         session_ttl_s=args.session_ttl, exact=not args.no_exact, max_tile=args.max_tile, grace_s=args.grace,
@@ -261,6 +267,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         FlagRange("--max-transfers-per-identity", cfg.max_transfers_per_identity, 1, cfg.max_transfers,
                   "--max-transfers"),
         FlagRange("--max-text-chars", cfg.max_text_chars, 1),
+        FlagRange("--text-process-chars", cfg.text_process_chars, 0),
         FlagRange("--persist-every", cfg.persist_every, 1),
         FlagRange("--persist-interval", cfg.persist_interval_s, 0),
     ])

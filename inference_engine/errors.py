@@ -82,5 +82,9 @@ class EngineShutdown(EngineUnavailable):
     """
 
 
+class TokenizerUnavailable(EngineUnavailable):
+    """A tokenizer process died during a large text, or is shut down (UNAVAILABLE: retry; a new one starts)."""
+
+
 class FeatureUnavailable(RuntimeServiceError):
     """The served model cannot do what was asked (no tokenizer, no chat template) (FAILED_PRECONDITION)."""

@@ -75,6 +75,10 @@ REPLY_REUSE = Counter(
     "history (reused) or not (retokenized: the template renders the reply to other tokens)", ("outcome",),
     registry=REGISTRY,
 )
+TOKENIZER_PROCESS_CALLS = Counter(
+    "inference_engine_tokenizer_process_calls", "Large texts encoded (or token lists decoded) in the tokenizer "
+    "processes (--text-process-chars), by operation", ("op",), registry=REGISTRY,
+)
 PERSIST_FAILURES = Counter(
     "inference_engine_persist_failures", "--persist-sessions: session writes that failed (disk full, folder gone)",
     registry=REGISTRY,

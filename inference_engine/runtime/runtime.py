@@ -57,7 +57,8 @@ class Runtime:
         self.is_draining = False  # new calls are refused (running ones go on)
         self._sweeper: asyncio.Task | None = None
         self._streams: set[asyncio.Future] = set()  # running Generate jobs' `finished`
-        self.text = text_codec(engine.loaded.tokenizer)  # the model's tokenizer; None = token ids only
+        # The model's tokenizer (None = token ids only); large texts go to its processes.
+        self.text = text_codec(engine.loaded.tokenizer, config.text_process_chars)
         self.constraints = ConstraintCompiler(self.text, engine.spec.vocab_size, engine.spec.eos_token_ids)
         self.drafters: dict[DecodeMode, Drafter] = {DecodeMode.SPECULATIVE_LOOKUP: lookup_drafter(engine.verify_row_cost)}
         if engine.has_draft_model:
@@ -105,12 +106,14 @@ class Runtime:
             raise EngineUnavailable("the server is shutting down; retry against a live server")
 
     async def stop(self) -> None:
-        """Stop the sweeper; in-flight generations end at their next step."""
+        """Stop the sweeper and the tokenizer processes; in-flight generations end at their next step."""
         self.is_shutting_down = True
         if self._sweeper:
             self._sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sweeper
+        if self.text is not None:
+            await asyncio.to_thread(self.text.close)  # running tokenizations finish, the workers are joined
 
     async def _sweep(self) -> None:
         period = max(0.05, min(5.0, self.config.session_ttl_s / 4))

@@ -8,7 +8,10 @@ streamed text and Detokenize agree; the chat template is the tokenizer's own (ji
 Encoding and decoding go through the batch entry points with a batch of one: `encode` and
 `decode` of the `tokenizers` bindings hold the GIL for the whole call (a 1 Mi-character text
 froze every other session's stream for 2 s), `encode_batch` and `decode_batch` release it
-while the Rust code runs, so the engine thread keeps its time (same ids, same text).
+while the Rust code runs, so the engine thread keeps its time (same ids, same text). Texts of
+at least --text-process-chars characters (token lists of that many tokens) are encoded and
+decoded in tokenizer processes instead (tokenizer_processes.py): building their ids and text
+would still hold this process's GIL.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from inference_engine.errors import FeatureUnavailable, InvalidRequest
+from inference_engine.text.tokenizer_processes import TokenizerProcesses
 
 
 @dataclass(frozen=True)
@@ -30,13 +34,16 @@ class ChatMessage:
 class TextCodec:
     """The model's tokenizer: encode, decode and render chats (thread-safe, no MLX)."""
 
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any, process_chars: int = 0):
         """
         Args:
             tokenizer: a transformers fast tokenizer (`LoadedModel.tokenizer`).
+            process_chars: texts of at least this many characters (token lists of this many tokens)
+                go to tokenizer processes (0 = every text stays in this process).
         """
         self.hf = tokenizer
         self.backend = tokenizer.backend_tokenizer  # tokenizers.Tokenizer
+        self.processes = TokenizerProcesses(self.backend, process_chars) if process_chars > 0 else None
 
     @property
     def has_chat_template(self) -> bool:
@@ -54,12 +61,23 @@ class TextCodec:
 
         Args:
             add_special_tokens: also add what the tokenizer adds around a sequence (e.g. a BOS).
+
+        Raises:
+            TokenizerUnavailable: a large text's tokenizer process died (retry) or is shut down.
         """
+        if self.processes is not None and self.processes.is_large(len(text)):
+            return self.processes.encode(text, add_special_tokens)
         (encoding,) = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)  # GIL released
         return list(encoding.ids)
 
     def decode(self, tokens: Sequence[int], skip_special_tokens: bool = False) -> str:
-        """Text of `tokens` (special tokens as their text unless skipped)."""
+        """Text of `tokens` (special tokens as their text unless skipped).
+
+        Raises:
+            TokenizerUnavailable: a long list's tokenizer process died (retry) or is shut down.
+        """
+        if self.processes is not None and self.processes.is_large(len(tokens)):
+            return self.processes.decode(tokens, skip_special_tokens)
         (text,) = self.backend.decode_batch([list(tokens)], skip_special_tokens=skip_special_tokens)  # GIL released
         return text
 
@@ -81,10 +99,19 @@ class TextCodec:
             raise InvalidRequest(f"the chat template refused these messages: {type(exc).__name__}: {exc}",
                                  "messages") from exc
 
+    def close(self) -> None:
+        """Shut the tokenizer processes down (running calls finish first; idempotent)."""
+        if self.processes is not None:
+            self.processes.close()
 
-def text_codec(tokenizer: Any | None) -> TextCodec | None:
-    """The codec of a loaded model's tokenizer; None when the model has none (random test models)."""
-    return None if tokenizer is None else TextCodec(tokenizer)
+
+def text_codec(tokenizer: Any | None, process_chars: int = 0) -> TextCodec | None:
+    """The codec of a loaded model's tokenizer; None when the model has none (random test models).
+
+    Args:
+        process_chars: see TextCodec (--text-process-chars).
+    """
+    return None if tokenizer is None else TextCodec(tokenizer, process_chars)
 
 
 def require(codec: TextCodec | None) -> TextCodec:

@@ -1,0 +1,176 @@
+"""Large texts are tokenized in other processes, so they cannot take the engine's GIL or CPU time.
+
+The tokenizers bindings release the GIL while their Rust code runs (codec.py), but building the
+ids list of a 65,536-character text (~120 K tokens) and its reply holds it, and on a small machine
+the text thread then competes with the engine thread for a core: the worst inter-token gap of a
+stream beside back-to-back maximal Tokenize calls stayed 3.5x its median (issue 28, defect 3).
+Texts of at least `min_chars` characters, and token lists of at least `min_chars` tokens, go to
+a small pool of worker processes instead:
+- started on the first large text (spawn: a fresh interpreter that imports only `tokenizers`),
+  at nice WORKER_NICE, so the engine thread gets a core first;
+- loading the very tokenizer the server holds (its JSON, handed over at start: no files, no hub),
+  so the ids are the ones the in-process codec would give;
+- at most MAX_LARGE_TEXTS texts in them at once (more wait their turn on the calling text thread):
+  memory stays MAX_LARGE_TEXTS x (a text's bytes + its ids' 4 bytes each) beyond the processes'
+  own ~40 MiB each;
+- answering with ids packed as int32 bytes (one copy to unpickle, not one object per token).
+A worker that dies (or answers nothing in CALL_TIMEOUT_S) fails its calls with TokenizerUnavailable
+(UNAVAILABLE: retry) and the pool is replaced on the next call; `close()` drains the running calls and joins the workers; a worker whose
+server died without closing it exits within PARENT_POLL_S.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import multiprocessing
+import os
+import threading
+from array import array
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any, Callable, Sequence, TypeVar
+
+from inference_engine import metrics
+from inference_engine.errors import TokenizerUnavailable
+
+log = logging.getLogger(__name__)
+WORKER_PROCESSES = 2  # most tokenizer processes (started one by one, as large texts arrive at once)
+MAX_LARGE_TEXTS = 2  # large texts (or token lists) in the processes at once: bounds their memory
+WORKER_NICE = 19  # niceness of the tokenizer processes (CFS weight 15 against the engine thread's 1024)
+CALL_TIMEOUT_S = 120.0  # a worker silent this long (a maximal text takes ~0.5 s, a start ~2 s) is killed as hung
+PARENT_POLL_S = 1.0  # how often a worker checks that the server that started it is alive
+R = TypeVar("R")
+_IDS = "i"  # array typecode of the packed ids (int32: every vocabulary fits)
+
+_tokenizer = None  # the worker's tokenizers.Tokenizer (set by _start_worker, in the worker only)
+
+
+def _start_worker(tokenizer_json: str, parent: int) -> None:
+    """In a new worker: lower its priority, load the tokenizer, and leave when the server is gone."""
+    global _tokenizer
+    from tokenizers import Tokenizer
+
+    try:
+        os.nice(WORKER_NICE - os.nice(0))
+    except OSError:  # pragma: no cover - a sandbox without the right: the worker runs at normal priority
+        pass
+    _tokenizer = Tokenizer.from_str(tokenizer_json)
+    threading.Thread(target=_exit_with, args=(parent,), name="parent-watch", daemon=True).start()
+
+
+def _exit_with(parent: int) -> None:  # pragma: no cover - runs in the worker process (covered by its exit)
+    """Exit the worker when the process that started it is gone (killed: nothing shut the pool down)."""
+    while os.getppid() == parent:
+        threading.Event().wait(PARENT_POLL_S)
+    os._exit(0)
+
+
+def _encode(text: str, add_special_tokens: bool) -> bytes:  # pragma: no cover - runs in the worker process
+    """In a worker: the ids of `text`, packed."""
+    (encoding,) = _tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)
+    return array(_IDS, encoding.ids).tobytes()
+
+
+def _decode(packed: bytes, skip_special_tokens: bool) -> str:  # pragma: no cover - runs in the worker process
+    """In a worker: the text of packed ids."""
+    (text,) = _tokenizer.decode_batch([array(_IDS, packed).tolist()], skip_special_tokens=skip_special_tokens)
+    return text
+
+
+class TokenizerProcesses:
+    """The tokenizer processes of one server (thread-safe; call from text threads, never the event loop)."""
+
+    def __init__(self, backend: Any, min_chars: int, processes: int = WORKER_PROCESSES,
+                 max_in_flight: int = MAX_LARGE_TEXTS):
+        """
+        Args:
+            backend: the server's `tokenizers.Tokenizer` (serialized when the first worker starts, ~0.1 s).
+            min_chars: texts of at least this many characters (token lists of at least this many
+                tokens) are handled here (the codec decides with `is_large`).
+            processes: most worker processes.
+            max_in_flight: most texts in the workers at once.
+        """
+        self.min_chars = min_chars
+        self._backend = backend
+        self._json: str | None = None
+        self._processes = processes
+        self._slots = threading.BoundedSemaphore(max_in_flight)
+        self._lock = threading.Lock()
+        self._pool: concurrent.futures.ProcessPoolExecutor | None = None
+        self._is_closed = False
+
+    def is_large(self, size: int) -> bool:
+        """Whether a text of `size` characters (or a list of `size` tokens) is handled here."""
+        return size >= self.min_chars
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        """Token ids of `text`, from a worker (blocks the calling thread, not the GIL).
+
+        Raises:
+            TokenizerUnavailable: the worker died, or the pool is closed.
+        """
+        packed = self._call("encode", _encode, text, add_special_tokens)
+        return array(_IDS, packed).tolist()
+
+    def decode(self, tokens: Sequence[int], skip_special_tokens: bool) -> str:
+        """Text of `tokens`, from a worker.
+
+        Raises:
+            TokenizerUnavailable: the worker died, or the pool is closed.
+        """
+        return self._call("decode", _decode, array(_IDS, tokens).tobytes(), skip_special_tokens)
+
+    def _call(self, op: str, fn: Callable[..., R], *args: object) -> R:
+        """`fn(*args)` in a worker (`op` names it in the metric)."""
+        with self._slots:
+            pool = self._executor()
+            try:
+                result = pool.submit(fn, *args).result(CALL_TIMEOUT_S)
+            except (BrokenProcessPool, concurrent.futures.TimeoutError) as exc:
+                self._discard(pool)
+                why = "ended" if isinstance(exc, BrokenProcessPool) else f"answered nothing in {CALL_TIMEOUT_S:.0f} s"
+                raise TokenizerUnavailable(f"the tokenizer process {why} during the call; retry: a new one starts "
+                                           "with the next call") from exc
+            except (concurrent.futures.CancelledError, RuntimeError) as exc:
+                if not self._is_closed:  # not the pool's shutdown: the worker's own error
+                    raise
+                raise TokenizerUnavailable("the server is shutting down; retry against a live server") from exc
+        metrics.TOKENIZER_PROCESS_CALLS.labels(op).inc()
+        return result
+
+    def _executor(self) -> concurrent.futures.ProcessPoolExecutor:
+        with self._lock:
+            if self._is_closed:
+                raise TokenizerUnavailable("the server is shutting down; retry against a live server")
+            if self._pool is None:
+                if self._json is None:
+                    self._json = self._backend.to_str()
+                self._pool = concurrent.futures.ProcessPoolExecutor(
+                    self._processes, multiprocessing.get_context("spawn"), initializer=_start_worker,
+                    initargs=(self._json, os.getpid()))
+            return self._pool
+
+    def _discard(self, broken: concurrent.futures.ProcessPoolExecutor) -> None:
+        """Drop the broken pool a call failed on (unless another failed call already replaced it)."""
+        with self._lock:
+            if self._pool is not broken:
+                return
+            self._pool = None
+        log.warning("a tokenizer process died or hung; the next large text starts a new one")
+        for process in list((getattr(broken, "_processes", None) or {}).values()):  # a hung one ends too
+            process.kill()
+        broken.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def pids(self) -> tuple[int, ...]:
+        """The running workers' process ids (none before the first large text and after close)."""
+        with self._lock:
+            procs = getattr(self._pool, "_processes", None) or {}
+            return tuple(sorted(procs))
+
+    def close(self) -> None:
+        """Let running calls finish, cancel waiting ones, and join the workers (idempotent)."""
+        with self._lock:
+            pool, self._pool, self._is_closed = self._pool, None, True
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
