@@ -4,6 +4,7 @@ go there (the metric counts them); a dead worker is a typed error and then a new
 joins the workers, and a worker whose server was killed exits by itself."""
 
 import argparse
+import concurrent.futures
 import os
 import signal
 import subprocess
@@ -110,6 +111,30 @@ def test_close_joins_the_workers_and_refuses_later_calls(tokenizer):
     with pytest.raises(TokenizerUnavailable, match="shutting down"):
         processes.encode(CJK * 100, False)
     processes.close()  # idempotent
+
+
+def test_close_lets_a_running_call_finish(tokenizer):
+    processes = TokenizerProcesses(tokenizer.backend_tokenizer, THRESHOLD)
+    text = CJK * 20_000  # ~0.3 M characters: the call is still running when close() starts
+    expected = tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids
+    with concurrent.futures.ThreadPoolExecutor(1) as caller:
+        call = caller.submit(processes.encode, text, False)
+        while not call.done() and not getattr(processes._pool, "_pending_work_items", None):
+            time.sleep(0.005)  # until the text is in a worker
+        pids = processes.pids
+        processes.close()
+        assert call.result() == expected
+    assert all(_is_gone(p) for p in pids)
+
+
+def test_a_call_racing_close_is_refused(tokenizer):
+    """A call that got the pool just before close() submits to a shut pool: refused, typed."""
+    processes = TokenizerProcesses(tokenizer.backend_tokenizer, THRESHOLD)
+    pool = processes._executor()
+    processes.close()
+    processes._executor = lambda: pool  # the race's interleaving, made certain
+    with pytest.raises(TokenizerUnavailable, match="shutting down"):
+        processes.encode(CJK * 100, False)
 
 
 WORKER_OF_A_KILLED_SERVER = """
