@@ -7,6 +7,8 @@ engine the CPU first and text work the rest; an idle engine leaves text work all
 Measured on 2 shared cores (scripts/reliability.py --quick --sections text_stall, worst gap of a
 stream beside back-to-back 65,536-character Tokenize calls / its median alone): 15x with the GIL
 held, 3.7-5.7x released at nice 10, 2.3-3.3x at nice 19 (the stream alone: 1.8-2.1x).
+Texts of --text-process-chars characters or more are not tokenized on these threads but in
+tokenizer processes (tokenizer_processes.py); the thread only waits for their answer.
 """
 
 from __future__ import annotations
