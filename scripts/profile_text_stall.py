@@ -2,6 +2,7 @@
 """Profile of issue 28's text stall: where a stream's inter-token gaps go beside maximal Tokenize calls.
 
     .venv/bin/python scripts/profile_text_stall.py --rounds 3 --out results/reliability/profile-text-stall.json
+    .venv/bin/python scripts/profile_text_stall.py --serve-flag=--text-process-chars=0 --out ...  # all in-process
 
 Against a real `serve` process: a greedy stream alone, then beside another process's back-to-back
 65,536-character Tokenize calls, alternating --rounds times. For each phase the gaps' median,
@@ -51,6 +52,21 @@ def sched(pid: int) -> dict[str, tuple[int, int, int]]:
     return out
 
 
+def children_cpu_ns(pid: int) -> dict[int, int]:
+    """CPU ns of each child process of `pid` (the tokenizer processes), all their threads."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                if int(stat[stat.rindex(")") + 2:].split()[1]) == pid:
+                    out[int(entry)] = sum(int(Path(f"/proc/{entry}/task/{t}/schedstat").read_text().split()[0])
+                                          for t in os.listdir(f"/proc/{entry}/task"))
+            except (FileNotFoundError, ProcessLookupError):
+                pass
+    return out
+
+
 def _pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return round(xs[min(len(xs) - 1, int(q * len(xs)))], 1)
@@ -64,23 +80,26 @@ async def phase(stub: pb_grpc.RuntimeServiceStub, server: ServerProcess, beside:
             stdout=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONPATH": f"{REPO / 'scripts'}{os.pathsep}{REPO}"})
         assert other.stdout is not None and other.stdin is not None
         await other.stdout.readline()
-    a, started = sched(server.pid), time.perf_counter()
+    a, ca, started = sched(server.pid), children_cpu_ns(server.pid), time.perf_counter()
     gaps = [g * 1e3 for g in await text_stall._gaps(stub, 256)]
-    wall, b = time.perf_counter() - started, sched(server.pid)
+    wall, b, cb = time.perf_counter() - started, sched(server.pid), children_cpu_ns(server.pid)
+    children_cpu = sum(cpu - ca.get(child, 0) for child, cpu in cb.items())
     calls = 0
     if other is not None:
         assert other.stdin is not None
         other.stdin.close()
         out, _ = await other.communicate()
         calls = int(out.split()[-1])
-    threads = []
+    threads, server_cpu = [], 0
     for tid, (cpu, wait, nice) in b.items():
+        server_cpu += cpu - a.get(tid, (0, 0, nice))[0]
         c0, w0, _ = a.get(tid, (0, 0, nice))
         if cpu - c0 > 50e6:
             threads.append({"tid": int(tid), "nice": nice, "cpu_ms": round((cpu - c0) / 1e6),
                             "run_queue_wait_ms": round((wait - w0) / 1e6)})
     return {"beside_tokenize": beside, "tokenize_calls": calls, "wall_s": round(wall, 2),
-            "load_1m": round(os.getloadavg()[0], 2),
+            "load_1m": round(os.getloadavg()[0], 2), "server_cpu_ms": round(server_cpu / 1e6),
+            "child_processes_cpu_ms": round(children_cpu / 1e6),
             "gap_ms": {"median": round(statistics.median(gaps), 1), "p90": _pct(gaps, 0.9), "p99": _pct(gaps, 0.99),
                        "worst": round(max(gaps), 1)},
             "threads_over_50ms_cpu": sorted(threads, key=lambda t: -t["cpu_ms"])}
@@ -131,9 +150,9 @@ def gil_stages() -> dict:
     return out
 
 
-async def main(rounds: int) -> dict:
+async def main(rounds: int, flags: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        server = await ServerProcess.start(["--max-sessions", "16"], Path(tmp) / "server.log")
+        server = await ServerProcess.start(["--max-sessions", "16", *flags], Path(tmp) / "server.log")
         channel = open_channel(server.target)
         phases = []
         try:
@@ -145,17 +164,20 @@ async def main(rounds: int) -> dict:
         finally:
             await channel.close()
             await server.stop()
-    return {"phases": phases, "gil_stages_in_one_process": gil_stages()}
+    return {"serve_flags": flags, "phases": phases, "gil_stages_in_one_process": gil_stages()}
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, required=True, help="JSON path")
+    parser.add_argument("--serve-flag", action="append", default=[], metavar="FLAG",
+                        help="extra `serve` flag (repeatable; --serve-flag=--x=1 for a value starting with -)")
     args = parser.parse_args()
-    data = asyncio.run(main(args.rounds))
+    data = asyncio.run(main(args.rounds, args.serve_flag))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(data, indent=1) + "\n")
     for p in data["phases"]:
-        print(json.dumps({k: p[k] for k in ("beside_tokenize", "load_1m", "gap_ms")}))
+        print(json.dumps({k: p[k] for k in ("beside_tokenize", "load_1m", "server_cpu_ms", "child_processes_cpu_ms",
+                                                "gap_ms")}))
     print(json.dumps(data["gil_stages_in_one_process"], indent=1))
