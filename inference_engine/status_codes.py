@@ -76,6 +76,7 @@ ERROR_SPECS: dict[type[errors.RuntimeServiceError], ErrorSpec] = {
     errors.SessionBusy: ErrorSpec(grpc.StatusCode.ABORTED, "SESSION_BUSY", 409, retry_after_s=0.1),
     errors.EngineUnavailable: ErrorSpec(grpc.StatusCode.UNAVAILABLE, "ENGINE_UNAVAILABLE", 503, retry_after_s=1.0, shard=ShardErrorCode.UNAVAILABLE),
     errors.EngineShutdown: ErrorSpec(grpc.StatusCode.UNAVAILABLE, "ENGINE_SHUTTING_DOWN", 503, retry_after_s=1.0, shard=ShardErrorCode.UNAVAILABLE),
+    errors.TokenizerUnavailable: ErrorSpec(grpc.StatusCode.UNAVAILABLE, "TOKENIZER_UNAVAILABLE", 503, retry_after_s=1.0),
     errors.Unauthenticated: ErrorSpec(grpc.StatusCode.UNAUTHENTICATED, "UNAUTHENTICATED", 401),
 }
 # Classes left out of the shard column (a model not served, a busy session, ...) never come

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import grpc
 import pytest
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 from transformers import AutoTokenizer
 
 from inference_engine import metrics
@@ -178,6 +180,10 @@ async def test_tokenize_rpcs_through_the_processes(real_engine, tokenizer):
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await stub.Tokenize(pb.TokenizeRequest(text=text))
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "tokenizer process ended" in err.value.details()
+        info = next(d for d in rpc_status.from_call(err.value).details if d.Is(error_details_pb2.ErrorInfo.DESCRIPTOR))
+        reason = error_details_pb2.ErrorInfo()
+        info.Unpack(reason)
+        assert reason.reason == "TOKENIZER_UNAVAILABLE"
         assert list((await stub.Tokenize(pb.TokenizeRequest(text=text))).tokens) == expected
         pids = runtime.text.processes.pids
         assert pids
