@@ -1,22 +1,25 @@
 """Large texts are tokenized in other processes, so they cannot take the engine's GIL or CPU time.
 
-The tokenizers bindings release the GIL while their Rust code runs (codec.py), but building the
-ids list of a 65,536-character text (~120 K tokens) and its reply holds it, and on a small machine
-the text thread then competes with the engine thread for a core: the worst inter-token gap of a
-stream beside back-to-back maximal Tokenize calls stayed 3.5x its median (issue 28, defect 3).
-Texts of at least `min_chars` characters, and token lists of at least `min_chars` tokens, go to
-a small pool of worker processes instead:
-- started on the first large text (spawn: a fresh interpreter that imports only `tokenizers`),
-  at nice WORKER_NICE, so the engine thread gets a core first;
+The tokenizers bindings release the GIL while their Rust code runs (codec.py), but the text
+thread still spends ~120 ms of this process's CPU per 65,536-character text (~120 K tokens)
+and holds the GIL to build its ids list; on a small machine it competes with the engine thread:
+a stream's worst gap beside back-to-back maximal Tokenize calls was 3.5x its median on a quiet
+2-core machine (issue 28, defect 3). Texts of at least `min_chars` characters, and token lists
+of at least `min_chars` tokens, go to a small pool of worker processes instead (~4 ms of this
+process's CPU per maximal text: scripts/tokenizer_process_cpu.py):
+- started on the first large text (spawn: a fresh interpreter importing this module and
+  `tokenizers`), at nice WORKER_NICE, so the engine thread gets a core first;
 - loading the very tokenizer the server holds (its JSON, handed over at start: no files, no hub),
   so the ids are the ones the in-process codec would give;
 - at most MAX_LARGE_TEXTS texts in them at once (more wait their turn on the calling text thread):
   memory stays MAX_LARGE_TEXTS x (a text's bytes + its ids' 4 bytes each) beyond the processes'
-  own ~40 MiB each;
-- answering with ids packed as int32 bytes (one copy to unpickle, not one object per token).
+  own ~85 MiB each (RSS after a maximal text);
+- answering with ids packed as int32 bytes (one copy to unpickle, not one object per token; the
+  list is built on the calling text thread, ~1 ms for a maximal text).
 A worker that dies (or answers nothing in CALL_TIMEOUT_S) fails its calls with TokenizerUnavailable
-(UNAVAILABLE: retry) and the pool is replaced on the next call; `close()` drains the running calls and joins the workers; a worker whose
-server died without closing it exits within PARENT_POLL_S.
+(UNAVAILABLE: retry) and the pool is replaced on the next call; `close()` lets running calls
+finish and joins the workers; a worker whose server died without closing it exits within
+PARENT_POLL_S.
 """
 
 from __future__ import annotations
