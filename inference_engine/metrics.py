@@ -60,12 +60,17 @@ HTTP_SECONDS = Histogram(
     buckets=_LATENCY_BUCKETS, registry=REGISTRY,
 )
 PREFIX_CACHE_LOOKUPS = Counter(
-    "inference_engine_prefix_cache_lookups", "HTTP API prompts looked up in the exact prefix cache, by outcome",
+    "inference_engine_prefix_cache_lookups", "HTTP API prompts looked up in the exact prefix cache, by outcome "
+    "(hit: a full session; fork: a fallback fork of an earlier prompt; miss)",
     ("outcome",), registry=REGISTRY,
 )
 PREFIX_CACHE_TOKENS = Counter(
     "inference_engine_prefix_cache_reused_tokens", "Prompt tokens served from kept sessions (not prefilled again)",
     registry=REGISTRY,
+)
+PREFIX_CACHE_FORKS = Counter(
+    "inference_engine_prefix_cache_forks", "Fallback forks kept at the end of a prompt (its reply may outgrow "
+    "--max-rollback)", registry=REGISTRY,
 )
 PREFIX_CACHE_EVICTIONS = Counter(
     "inference_engine_prefix_cache_evictions", "Kept sessions closed to make room (LRU)", registry=REGISTRY,

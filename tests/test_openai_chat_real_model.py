@@ -69,3 +69,31 @@ async def test_six_turn_chat_is_identical_with_the_prefix_cache(real_engine):
     assert none_cached == [0] * 6
     assert cached[0] == 0 and all(b > a for a, b in zip(cached, cached[1:])), cached
     assert _reuse("reused") - reused == 6 and _reuse("retokenized") == retokenized  # every reply was reusable
+
+
+async def _edited_turns(served) -> tuple[list, list[str]]:
+    """Turn 1 asks for a long reply; turn 2 sends it back edited (it no longer renders to the tokens the model
+    generated, from its first token: beyond --max-rollback) and asks for a one-word reply."""
+    messages = [{"role": "system", "content": "Answer briefly."},
+                {"role": "user", "content": "Count from 1 to 20, separated by commas."}]
+    async with served.client() as c:
+        first = await c.chat.completions.create(model=served.model, messages=messages, max_tokens=24, temperature=0)
+        messages += [{"role": "assistant", "content": "Sure! " + first.choices[0].message.content},
+                     {"role": "user", "content": "Is seven a prime number? Answer yes or no."}]
+        second = await c.chat.completions.create(model=served.model, messages=messages, max_tokens=24, temperature=0)
+    return [first, second], [r.choices[0].message.content for r in (first, second)]
+
+
+async def test_an_edited_reply_is_served_by_the_fallback_fork(real_engine):
+    async with http_api(real_engine, default_window=512, prefix_cache_bytes=0) as s:
+        _, plain = await _edited_turns(s)
+    forks = metrics.REGISTRY.get_sample_value("inference_engine_prefix_cache_forks_total") or 0.0
+    async with http_api(real_engine, default_window=512, max_sessions=6) as s:
+        (first, second), replies = await _edited_turns(s)
+        cache = s.http.serving.service.cache
+        assert replies == plain  # bitwise the replies without the cache
+        assert first.usage.completion_tokens > 8  # a reply no rollback undoes: turn 1 kept a fork of its prompt
+        assert second.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens  # served by that fork
+        assert second.usage.completion_tokens <= 8, replies[1]  # a short reply: its own fork was discarded
+        assert (metrics.REGISTRY.get_sample_value("inference_engine_prefix_cache_forks_total") or 0.0) == forks + 2
+        assert (len(cache), cache.forks()) == (2, 0)  # turn 1's and turn 2's full sessions

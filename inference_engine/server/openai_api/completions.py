@@ -7,6 +7,9 @@ concurrently and batched with every other session's work by the engine. Choice i
 with seed + i, so each choice is the same completion alone or under any load. When the
 request ends, however it ends, choice 0's session goes back to the cache (its history is
 exactly the tokens it holds: the runtime undoes anything unsent) and the other forks close.
+A request whose reply may outgrow --max-rollback also leaves a fallback fork of its prompt in
+the cache (see prefix_cache.py), taken before the first token and discarded at the end if the
+reply stayed within reach of a rollback.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from inference_engine import metrics
-from inference_engine.errors import SessionNotFound
+from inference_engine.errors import RuntimeServiceError, SessionNotFound
 from inference_engine.runtime.runtime import Runtime
 from inference_engine.runtime.session_transfer import SessionTransfer
 from inference_engine.runtime.types import AppendParams, CreateSessionParams, GenerateChunk, GenerateParams
@@ -103,7 +106,9 @@ class CompletionService:
         prompt = await self.prompt_tokens(job)
         session_id, cached = await self._open(job.owner, prompt)
         choices = [_Choice(0, session_id)]
+        fallback: str | None = None
         try:
+            fallback = await self._fork_prompt(job, session_id)
             for i in range(1, job.n):
                 forked = await self.transfer.fork(session_id, job.owner)
                 choices.append(_Choice(i, forked.session_id))
@@ -128,6 +133,24 @@ class CompletionService:
             yield CompletionUsage(len(prompt), sum(len(c.tokens) for c in choices), cached)
         finally:
             self._give_back(job.owner, [c.session_id for c in choices])
+            if fallback is not None and len(choices[0].tokens) <= self.cache.max_rollback and session_id in self.cache:
+                self.cache.discard(fallback)  # the kept session's rollback serves the same prompt
+
+    async def _fork_prompt(self, job: CompletionJob, session_id: str) -> str | None:
+        """Keep a fallback fork of the prompt's session when its reply may outgrow --max-rollback and
+        the cache has room (`PrefixCache.has_room_for_fork`); its id, or None. A fork that cannot be
+        taken (the pool filled meanwhile, draining) is skipped: a fallback never fails a request."""
+        if job.max_tokens <= self.cache.max_rollback:
+            return None
+        try:
+            session = self.runtime.store.get(session_id, job.owner)
+            if not self.cache.has_room_for_fork(session, others=job.n - 1):
+                return None
+            forked = await self.transfer.fork(session_id, job.owner)
+        except RuntimeServiceError as exc:
+            log.debug("prefix cache: no fallback fork (%s)", type(exc).__name__)
+            return None
+        return forked.session_id if self.cache.keep(forked.session_id, job.owner, is_fork=True) else None
 
     async def _open(self, owner: str, prompt: tuple[int, ...]) -> tuple[str, int]:
         """A session holding exactly `prompt`, and how many of its tokens the cache already held."""

@@ -15,6 +15,20 @@ sessions (no cross-tenant reuse, no timing side channel). They are bounded by
 a slab or bytes for a live session (`SessionStore.evict_kept`). A taken entry leaves the
 cache (no copies: the session moves to the request) and comes back when the request ends.
 
+Fallback forks. A reply longer than --max-rollback cannot be rolled back, so a next turn whose
+rendering of it differs (re-tokenized, or edited by the client) near its start would find no
+usable entry. For such requests the service also keeps a bitwise fork of the session taken at
+the end of the prompt (`ForkSession`'s path): an entry whose history is the prompt alone, which
+serves the next turn's prompt up to the reply. A fork is taken only when `has_room_for_fork`
+says the pool has room for it beside the live sessions with a slab to spare (never with the
+cache off, never in a pool live sessions fill), and it is discarded when the reply turns out
+short enough for the full session's rollback to serve the same prefix. Forks are ordinary
+entries: counted in --prefix-cache-bytes and evicted in the same LRU order. LRU rather than
+"forks first": a fork is kept when its prompt is ready and its full session when the reply
+ends, so a request's fork already goes before its full session; what LRU adds is that the
+newest turn's fork outlives an older turn's full session, which a conversation that has moved
+on no longer extends (forks-first would evict the one fallback the next turn may need).
+
 The index is a scan of the identity's entries (each a longest-common-prefix over numpy
 arrays): entries are few (bounded by bytes, each a whole KV slab) and the scan is linear
 in the prompt, like a radix walk would be.
@@ -45,6 +59,15 @@ class CacheHit:
     session_id: str  # the session, now the caller's to use (and to give back or close)
     reused: int  # prompt tokens already in it after the rollback (the request's cached_tokens)
     rollback: int  # tokens to drop from its end first (0..max_rollback)
+    is_fork: bool = False  # a fallback fork taken at the end of an earlier prompt (not a full session)
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """What the cache knows of one kept session besides its id."""
+
+    owner: str  # its identity (only that identity's prompts are matched against it)
+    is_fork: bool  # a fallback fork of a prompt (True) or a finished request's session (False)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -69,7 +92,7 @@ class PrefixCache:
         self.store = store
         self.max_bytes = max_bytes
         self.max_rollback = max_rollback
-        self._kept: OrderedDict[str, str] = OrderedDict()  # session id -> owner, least recently used first
+        self._kept: OrderedDict[str, _Entry] = OrderedDict()  # by session id, least recently used first
         store.evict_kept = self.evict_one
 
     @property
@@ -84,12 +107,37 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._kept)
 
+    def __contains__(self, session_id: object) -> bool:
+        return session_id in self._kept
+
+    def forks(self) -> int:
+        """Kept fallback forks."""
+        return sum(e.is_fork for e in self._kept.values())
+
     def _sessions(self) -> Iterator[Session]:
-        for sid, owner in list(self._kept.items()):
+        for sid, entry in list(self._kept.items()):
             try:
-                yield self.store.get(sid, owner)
+                yield self.store.get(sid, entry.owner)
             except SessionNotFound:  # expired meanwhile (TTL)
                 self._kept.pop(sid, None)
+
+    def has_room_for_fork(self, session: Session, others: int = 0) -> bool:
+        """Whether a fallback fork of `session` may be taken now.
+
+        The cache must be on and hold the fork beside `session` within --prefix-cache-bytes. The
+        pool, kept entries aside (they are evicted for it, least recently used first, as for any
+        keep), must have a slab for the fork, one for each of `others` sessions the request is about
+        to build (the forks of n > 1) and one more left free for a live session, and likewise the
+        bytes under --max-kv-bytes: a fallback never takes a slab or bytes live sessions hold or
+        could need (once kept it is evicted like any entry; the spare slab covers its building).
+        """
+        if not self.is_enabled or 2 * session.kv_bytes > self.max_bytes:
+            return False
+        store, needed, kept_bytes = self.store, others + 2, self.kept_bytes()  # kept_bytes() drops expired entries
+        if store.slabs_in_use - len(self._kept) + needed > store.max_sessions:
+            return False
+        live_bytes = store.kv_bytes_in_use() - kept_bytes
+        return not store.max_kv_bytes or live_bytes + needed * session.kv_bytes <= store.max_kv_bytes
 
     def take(self, owner: str, prompt: Sequence[int]) -> CacheHit | None:
         """Take `owner`'s kept session that serves the longest prefix of `prompt`, if any.
@@ -102,6 +150,7 @@ class PrefixCache:
         for session in self._sessions():
             if session.owner != owner or session.is_busy:
                 continue
+            is_fork = self._kept[session.session_id].is_fork
             history = session.history
             n = len(history)
             common = common_prefix(history, prompt)
@@ -113,17 +162,18 @@ class PrefixCache:
                 if rollback > self.max_rollback or reused <= 0:
                     continue
             if best is None or reused > best.reused:
-                best = CacheHit(session.session_id, reused, rollback)
+                best = CacheHit(session.session_id, reused, rollback, is_fork)
         if best is None:
             metrics.PREFIX_CACHE_LOOKUPS.labels("miss").inc()
             return None
         del self._kept[best.session_id]
-        metrics.PREFIX_CACHE_LOOKUPS.labels("hit").inc()
+        metrics.PREFIX_CACHE_LOOKUPS.labels("fork" if best.is_fork else "hit").inc()
         metrics.PREFIX_CACHE_TOKENS.inc(best.reused)
         return best
 
-    def keep(self, session_id: str, owner: str) -> bool:
-        """Keep a finished request's session (most recently used); False if it was closed instead.
+    def keep(self, session_id: str, owner: str, is_fork: bool = False) -> bool:
+        """Keep a finished request's session, or a fallback fork (most recently used); False if it was
+        closed instead.
 
         Older entries are evicted to stay within the byte bound; a session over the bound alone
         is closed.
@@ -135,14 +185,26 @@ class PrefixCache:
         if session.kv_bytes > self.max_bytes:
             self._close(session_id, owner)
             return False
-        self._kept[session_id] = owner
+        self._kept[session_id] = _Entry(owner, is_fork)
+        if is_fork:
+            metrics.PREFIX_CACHE_FORKS.inc()
         while self.kept_bytes() > self.max_bytes and self.evict_one():
             pass
         return session_id in self._kept
 
+    def discard(self, session_id: str) -> bool:
+        """Close a kept session that is no longer worth its bytes (a fork its full session covers);
+        whether it was still kept (not taken meanwhile)."""
+        entry = self._kept.pop(session_id, None)
+        if entry is None:
+            return False
+        self._close(session_id, entry.owner)
+        return True
+
     def evict_one(self) -> bool:
         """Close the least recently used idle kept session; whether one was closed."""
-        for sid, owner in list(self._kept.items()):
+        for sid, entry in list(self._kept.items()):
+            owner = entry.owner
             try:
                 session = self.store.get(sid, owner)
             except SessionNotFound:
@@ -166,5 +228,5 @@ class PrefixCache:
     def clear(self) -> None:
         """Close every kept session (shutdown)."""
         while self._kept:
-            sid, owner = self._kept.popitem()
-            self._close(sid, owner)
+            sid, entry = self._kept.popitem()
+            self._close(sid, entry.owner)

@@ -1,0 +1,113 @@
+"""The prefix cache's fallback fork, through the official `openai` client on the tiny model (token-id prompts).
+
+A reply of 12 tokens is beyond --max-rollback (8): a next turn that sends it back edited near its
+start cannot roll the kept session back that far. The fork kept at the end of the prompt serves
+the previous prompt instead, bitwise as a fresh prefill would.
+"""
+
+from __future__ import annotations
+
+from inference_engine import metrics
+from inference_engine.runtime.types import CreateSessionParams
+from inference_engine.security.authenticator import Authenticator
+from inference_engine.security.tokens import TokenTable
+from tests.openai_helpers import http_api
+
+PROMPT = [5, 17, 42, 99, 3]
+TOKENS = ("tenant-a-" + "a" * 32, "tenant-b-" + "b" * 32)
+REPLY = 12  # tokens per reply: more than the tiny engine's --max-rollback of 8
+
+
+def ids(choice) -> list[int]:
+    return choice.model_extra["token_ids"]
+
+
+def _count(name: str, **labels: str) -> float:
+    return metrics.REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def _forks_kept() -> float:
+    return _count("inference_engine_prefix_cache_forks_total")
+
+
+def _fork_hits() -> float:
+    return _count("inference_engine_prefix_cache_lookups_total", outcome="fork")
+
+
+def edit(prompt: list[int], reply: list[int]) -> list[int]:
+    """The next turn's prompt with the reply's first token changed (re-tokenized or edited by the client)."""
+    return prompt + [201 if reply[0] == 200 else 200] + reply[1:] + [10, 11]
+
+
+async def _two_turns(s, token: str = "unused") -> tuple[list[list[int]], list[int], list[int]]:
+    """Turn 1, then turn 2 sending turn 1's reply back edited: replies, cached_tokens, prompts."""
+    async with s.client(api_key=token) as c:
+        first = await c.completions.create(model=s.model, prompt=PROMPT, max_tokens=REPLY, temperature=0)
+        second_prompt = edit(PROMPT, ids(first.choices[0]))
+        second = await c.completions.create(model=s.model, prompt=second_prompt, max_tokens=REPLY, temperature=0.9,
+                                            seed=3)
+    replies = [ids(first.choices[0]), ids(second.choices[0])]
+    return replies, [r.usage.prompt_tokens_details.cached_tokens for r in (first, second)], second_prompt
+
+
+async def test_a_reply_edited_beyond_rollback_is_served_by_the_fork(tiny_engine):
+    auth = Authenticator(TokenTable(list(TOKENS)))
+    forks, hits = _forks_kept(), _fork_hits()
+    async with http_api(tiny_engine, authenticator=auth, prefix_cache_bytes=0) as s:
+        plain, plain_cached, _ = await _two_turns(s, TOKENS[0])
+    assert plain_cached == [0, 0] and _forks_kept() == forks  # the cache off: no fork is ever taken
+    async with http_api(tiny_engine, authenticator=auth, max_sessions=6) as s:
+        cache = s.http.serving.service.cache
+        replies, cached, second_prompt = await _two_turns(s, TOKENS[0])
+        assert len(replies[0]) == REPLY and replies == plain  # bitwise the completions without the cache
+        assert cached == [0, len(PROMPT)]  # the whole previous prompt, from the fork
+        assert _fork_hits() == hits + 1 and _forks_kept() == forks + 2  # one fork per turn; turn 2 took turn 1's
+        assert (len(cache), cache.forks()) == (3, 1)  # turn 1's full session, turn 2's fork and full session
+        async with s.client(api_key=TOKENS[1]) as c:  # identity B sends A's edited turn: none of A's entries
+            other = await c.completions.create(model=s.model, prompt=second_prompt, max_tokens=REPLY,
+                                               temperature=0.9, seed=3)
+        assert other.usage.prompt_tokens_details.cached_tokens == 0 and _fork_hits() == hits + 1
+        assert ids(other.choices[0]) == replies[1]
+        kept = set(cache._kept)
+        assert {x.session_id for x in s.runtime.store.sessions()} == kept  # every open session is an entry
+        await s.http.stop(0.5)  # shutdown closes the entries: nothing leaked, every slab free
+        assert s.runtime.store.sessions() == [] and s.runtime.store.slabs_in_use == 0
+        assert s.runtime.store.kv_bytes_in_use() == 0
+
+
+async def _slab_bytes(engine) -> int:
+    """K/V bytes of one session as the HTTP API creates them."""
+    async with http_api(engine) as s:
+        made = await s.runtime.create_session(CreateSessionParams((), "probe", 0, 0))
+        return s.runtime.store.get(made.session_id).kv_bytes
+
+
+async def test_forks_count_in_the_byte_bound_and_go_least_recently_used(tiny_engine):
+    slab = await _slab_bytes(tiny_engine)
+    evictions = _count("inference_engine_prefix_cache_evictions_total")
+    async with http_api(tiny_engine, prefix_cache_bytes=3 * slab, max_sessions=8) as s, s.client() as c:
+        cache = s.http.serving.service.cache
+        first = await c.completions.create(model=s.model, prompt=PROMPT, max_tokens=REPLY, temperature=0)
+        assert (len(cache), cache.forks(), cache.kept_bytes()) == (2, 1, 2 * slab)  # A's fork and full session
+        await c.completions.create(model=s.model, prompt=[7, 7, 7, 7], max_tokens=REPLY, temperature=0)
+        assert (len(cache), cache.forks(), cache.kept_bytes()) == (3, 1, 3 * slab)  # A's fork went: the oldest
+        assert _count("inference_engine_prefix_cache_evictions_total") == evictions + 1
+        again = await c.completions.create(model=s.model, prompt=edit(PROMPT, ids(first.choices[0])),
+                                           max_tokens=2, temperature=0)
+        assert again.usage.prompt_tokens_details.cached_tokens == 0  # no fork left for A's edited reply
+        assert cache.kept_bytes() <= 3 * slab
+
+
+async def test_no_fork_in_a_pool_live_sessions_fill(tiny_engine):
+    forks = _forks_kept()
+    async with http_api(tiny_engine, max_sessions=3) as s, s.client() as c:
+        cache = s.http.serving.service.cache
+        await s.runtime.create_session(CreateSessionParams((), "live", 0, 0))  # 1 live + the request's own
+        await c.completions.create(model=s.model, prompt=PROMPT, max_tokens=REPLY, temperature=0)
+        assert _forks_kept() == forks and (len(cache), cache.forks()) == (1, 0)  # the last slab stays free
+        await c.completions.create(model=s.model, prompt=PROMPT, max_tokens=2, temperature=0)  # short: no fork asked
+        assert _forks_kept() == forks
+    async with http_api(tiny_engine, max_sessions=8, prefix_cache_bytes=await _slab_bytes(tiny_engine)) as s, \
+            s.client() as c:  # room for one kept session only: no fork beside it
+        await c.completions.create(model=s.model, prompt=PROMPT, max_tokens=REPLY, temperature=0)
+        assert _forks_kept() == forks and len(s.http.serving.service.cache) == 1
