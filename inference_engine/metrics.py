@@ -69,8 +69,9 @@ PREFIX_CACHE_TOKENS = Counter(
     registry=REGISTRY,
 )
 PREFIX_CACHE_FORKS = Counter(
-    "inference_engine_prefix_cache_forks", "Fallback forks kept at the end of a prompt (its reply may outgrow "
-    "--max-rollback)", registry=REGISTRY,
+    "inference_engine_prefix_cache_forks", "Fallback forks of a prompt whose reply may outgrow --max-rollback: taken "
+    "(kept in the cache), discarded (the reply stayed within a rollback); lookups{outcome=\"fork\"} counts those used",
+    ("outcome",), registry=REGISTRY,
 )
 PREFIX_CACHE_EVICTIONS = Counter(
     "inference_engine_prefix_cache_evictions", "Kept sessions closed to make room (LRU)", registry=REGISTRY,

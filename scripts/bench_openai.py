@@ -11,8 +11,9 @@ Per engine:
 - chat TTFT: one 8-turn conversation, each request sending the whole history (stateless, as
   every OpenAI client does), streamed, greedy, `max_tokens` 32: time from sending a turn to its
   first content chunk, per turn (our prefix cache reuses the previous turn's session: only
-  the new message is prefilled). Ours also reports cached_tokens per turn and how many
-  replies re-tokenized differently in the rendered history (the cache then reuses less).
+  the new message is prefilled). Ours also reports cached_tokens per turn, how many
+  replies re-tokenized differently in the rendered history (`reply_reuse`), and which kind of
+  kept entry served each prompt (`prefix_cache_lookups`: a full session, a fallback fork, none).
 - throughput: completion tok/s of 1 client, and the aggregate of 8 concurrent clients
   (each 64 tokens on its own prompt, seeded sampling; usage.completion_tokens over wall time).
 - seeded copies: a seeded sampled request alone, then 8 concurrent copies beside 4 other
@@ -77,10 +78,11 @@ def _env_with_openblas() -> dict[str, str]:
     return env
 
 
-def start_ours(log: Path) -> tuple[subprocess.Popen, str, int]:
+def start_ours(log: Path, *extra: str) -> tuple[subprocess.Popen, str, int]:
+    """Our server with the HTTP API and metrics (`extra`: more `serve` flags, e.g. --model)."""
     port, http_port, metrics_port = _free_port(), _free_port(), _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "inference_engine", "serve", "--port", str(port), "--http-port",
-                             str(http_port), "--metrics-port", str(metrics_port), "--max-sessions", "16"],
+                             str(http_port), "--metrics-port", str(metrics_port), "--max-sessions", "16", *extra],
                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=log.open("w"), start_new_session=True)
     _wait_http(f"http://127.0.0.1:{http_port}/health", proc)
     return proc, f"http://127.0.0.1:{http_port}/v1", metrics_port
@@ -189,9 +191,26 @@ def seeded_copies(client: openai.OpenAI, model: str) -> dict[str, Any]:
 def _metric(metrics_port: int, name: str, label: str) -> float:
     text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics").text
     for line in text.splitlines():
-        if line.startswith(f'{name}{{outcome="{label}"}}'):
+        if line.startswith(f'{name}{{outcome="{label}"}} '):
             return float(line.split()[-1])
     return 0.0
+
+
+CACHE_COUNTERS = {  # what the prefix cache did: how replies re-tokenized, which entries served prompts
+    "reply_reuse": ("inference_engine_chat_reply_reuse_total", ("reused", "retokenized")),
+    "prefix_cache_lookups": ("inference_engine_prefix_cache_lookups_total", ("hit", "fork", "miss")),
+    "fallback_forks": ("inference_engine_prefix_cache_forks_total", ("taken", "discarded")),
+}
+
+
+def cache_counters(metrics_port: int) -> dict[str, Any]:
+    """The prefix cache's counters now (take the difference of two readings)."""
+    return {key: {o: _metric(metrics_port, name, o) for o in outcomes} for key, (name, outcomes) in CACHE_COUNTERS.items()}
+
+
+def counters_since(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """What the counters added between two readings."""
+    return {key: {o: after[key][o] - before[key][o] for o in after[key]} for key in after}
 
 
 def chats(client: openai.OpenAI, model: str, reps: int) -> dict[str, Any]:
@@ -264,10 +283,9 @@ def main() -> int:
                               "load_avg_start": os.getloadavg(), "engines": {}}
     proc, url, metrics_port = start_ours(logs / "ours.log")
     try:
-        before = {o: _metric(metrics_port, "inference_engine_chat_reply_reuse_total", o) for o in ("reused", "retokenized")}
+        before = cache_counters(metrics_port)
         report["engines"]["ours"] = measure(url)
-        after = {o: _metric(metrics_port, "inference_engine_chat_reply_reuse_total", o) for o in ("reused", "retokenized")}
-        report["engines"]["ours"]["reply_reuse"] = {o: after[o] - before[o] for o in after}
+        report["engines"]["ours"].update(counters_since(before, cache_counters(metrics_port)))
     finally:
         _stop(proc)
     if args.no_peers:

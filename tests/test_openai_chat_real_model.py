@@ -45,6 +45,10 @@ async def test_chat_plain_streamed_stop_and_logprobs(real_engine):
         assert done.choices[0].text and done.usage.prompt_tokens == 5
 
 
+def _forks(outcome: str) -> float:
+    return metrics.REGISTRY.get_sample_value("inference_engine_prefix_cache_forks_total", {"outcome": outcome}) or 0.0
+
+
 async def _converse(served, seed: int) -> tuple[list[str], list[int]]:
     messages, replies, cached = [], [], []
     async with served.client() as c:
@@ -87,7 +91,7 @@ async def _edited_turns(served) -> tuple[list, list[str]]:
 async def test_an_edited_reply_is_served_by_the_fallback_fork(real_engine):
     async with http_api(real_engine, default_window=512, prefix_cache_bytes=0) as s:
         _, plain = await _edited_turns(s)
-    forks = metrics.REGISTRY.get_sample_value("inference_engine_prefix_cache_forks_total") or 0.0
+    taken, discarded = _forks("taken"), _forks("discarded")
     async with http_api(real_engine, default_window=512, max_sessions=6) as s:
         (first, second), replies = await _edited_turns(s)
         cache = s.http.serving.service.cache
@@ -95,5 +99,5 @@ async def test_an_edited_reply_is_served_by_the_fallback_fork(real_engine):
         assert first.usage.completion_tokens > 8  # a reply no rollback undoes: turn 1 kept a fork of its prompt
         assert second.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens  # served by that fork
         assert second.usage.completion_tokens <= 8, replies[1]  # a short reply: its own fork was discarded
-        assert (metrics.REGISTRY.get_sample_value("inference_engine_prefix_cache_forks_total") or 0.0) == forks + 2
+        assert (_forks("taken"), _forks("discarded")) == (taken + 2, discarded + 1)
         assert (len(cache), cache.forks()) == (2, 0)  # turn 1's and turn 2's full sessions

@@ -27,7 +27,7 @@ def _count(name: str, **labels: str) -> float:
 
 
 def _forks_kept() -> float:
-    return _count("inference_engine_prefix_cache_forks_total")
+    return _count("inference_engine_prefix_cache_forks_total", outcome="taken")
 
 
 def _fork_hits() -> float:

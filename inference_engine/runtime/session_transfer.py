@@ -140,14 +140,19 @@ class SessionTransfer:
 
     # -- out ---------------------------------------------------------------------------
 
-    async def capture(self, session: Session, identity: PersistedIdentity | None = None) -> SessionSnapshot:
+    async def capture(self, session: Session, identity: PersistedIdentity | None = None,
+                      taken: asyncio.Event | None = None) -> SessionSnapshot:
         """The session's state at its next clean point (engine thread).
 
+        Args:
+            taken: set once the state is copied (before it is sealed): the session may move on.
         Raises:
             SessionNotFound: closed meanwhile. RuntimeServiceError: the state could not be read.
         """
         fingerprint = self.fingerprint(session.sink, session.window)
         copied = await self.engine.run(capture, session, fingerprint, identity, session=session)
+        if taken is not None:
+            taken.set()
         return await asyncio.to_thread(seal, copied)  # hashing ~50 MB is no work for the engine thread
 
     async def snapshot(self, p: SnapshotParams) -> SnapshotTaken:
@@ -245,9 +250,13 @@ class SessionTransfer:
             raise SnapshotIncompatible(f"the snapshot's session has sink {sink} and window {window}; this server "
                                        f"allows sink 0..{cfg.max_sink} and window 1..{cfg.max_window}")
 
-    async def fork(self, session_id: str, owner: str = ANONYMOUS) -> SessionRestored:
+    async def fork(self, session_id: str, owner: str = ANONYMOUS, taken: asyncio.Event | None = None
+                   ) -> SessionRestored:
         """ForkSession: a new session of the caller's starting as an exact copy of theirs.
 
+        Args:
+            taken: set once the source's state is copied: the source may move on (generate) while
+                the copy is sealed and installed.
         Raises:
             SessionNotFound: unknown, closed or another identity's. PoolExhausted: no slab is free.
             EngineUnavailable: the server is shutting down.
@@ -256,7 +265,7 @@ class SessionTransfer:
         source = self.store.get(session_id, owner)
         self.store.reserve()
         source.touch()
-        snap = await self.capture(source)
+        snap = await self.capture(source, taken=taken)
         # The constraint run the capture saw is this server's own, compiled already: not checked again.
         session = await self.adopt(snap, self.store.new_id(), owner, is_own_constraint=True)
         log.info("session %s forked from %s (%d tokens)", session.tag, source.tag, snap.history_length)

@@ -8,8 +8,8 @@ with seed + i, so each choice is the same completion alone or under any load. Wh
 request ends, however it ends, choice 0's session goes back to the cache (its history is
 exactly the tokens it holds: the runtime undoes anything unsent) and the other forks close.
 A request whose reply may outgrow --max-rollback also leaves a fallback fork of its prompt in
-the cache (see prefix_cache.py), taken before the first token and discarded at the end if the
-reply stayed within reach of a rollback.
+the cache (fallback_fork.py: its state copied before the first token, built beside the decoding),
+discarded at the end if the reply stayed within reach of a rollback.
 """
 
 from __future__ import annotations
@@ -21,10 +21,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from inference_engine import metrics
-from inference_engine.errors import RuntimeServiceError, SessionNotFound
+from inference_engine.errors import SessionNotFound
 from inference_engine.runtime.runtime import Runtime
 from inference_engine.runtime.session_transfer import SessionTransfer
 from inference_engine.runtime.types import AppendParams, CreateSessionParams, GenerateChunk, GenerateParams
+from inference_engine.server.openai_api.fallback_fork import FallbackFork
 from inference_engine.server.openai_api.params import CompletionJob, seed_of_choice
 from inference_engine.server.openai_api.prefix_cache import PrefixCache, common_prefix
 from inference_engine.server.validation import Validator
@@ -106,9 +107,9 @@ class CompletionService:
         prompt = await self.prompt_tokens(job)
         session_id, cached = await self._open(job.owner, prompt)
         choices = [_Choice(0, session_id)]
-        fallback: str | None = None
+        fallback: FallbackFork | None = None
         try:
-            fallback = await self._fork_prompt(job, session_id)
+            fallback = await self._fallback_fork(job, session_id)
             for i in range(1, job.n):
                 forked = await self.transfer.fork(session_id, job.owner)
                 choices.append(_Choice(i, forked.session_id))
@@ -132,25 +133,25 @@ class CompletionService:
                 await self._check_reply_reuse(job, prompt, choices[0])
             yield CompletionUsage(len(prompt), sum(len(c.tokens) for c in choices), cached)
         finally:
-            self._give_back(job.owner, [c.session_id for c in choices])
-            if fallback is not None and len(choices[0].tokens) <= self.cache.max_rollback and session_id in self.cache:
-                self.cache.discard(fallback)  # the kept session's rollback serves the same prompt
+            try:
+                if fallback is not None:
+                    await fallback.built()  # kept before the full session: older in LRU order
+            finally:
+                self._give_back(job.owner, [c.session_id for c in choices])
+                if fallback is not None:  # a reply within a rollback: the kept session serves the same prompt
+                    is_short = len(choices[0].tokens) <= self.cache.max_rollback and session_id in self.cache
+                    fallback.finish(is_wanted=not is_short)
 
-    async def _fork_prompt(self, job: CompletionJob, session_id: str) -> str | None:
-        """Keep a fallback fork of the prompt's session when its reply may outgrow --max-rollback and
-        the cache has room (`PrefixCache.has_room_for_fork`); its id, or None. A fork that cannot be
-        taken (the pool filled meanwhile, draining) is skipped: a fallback never fails a request."""
+    async def _fallback_fork(self, job: CompletionJob, session_id: str) -> FallbackFork | None:
+        """A fallback fork of the prompt, started (its state copied), if the reply may outgrow --max-rollback
+        and the cache has room (`PrefixCache.has_room_for_fork`)."""
         if job.max_tokens <= self.cache.max_rollback:
             return None
-        try:
-            session = self.runtime.store.get(session_id, job.owner)
-            if not self.cache.has_room_for_fork(session, others=job.n - 1):
-                return None
-            forked = await self.transfer.fork(session_id, job.owner)
-        except RuntimeServiceError as exc:
-            log.debug("prefix cache: no fallback fork (%s)", type(exc).__name__)
+        if not self.cache.has_room_for_fork(self.runtime.store.get(session_id, job.owner), others=job.n - 1):
             return None
-        return forked.session_id if self.cache.keep(forked.session_id, job.owner, is_fork=True) else None
+        fallback = FallbackFork(self.cache, self.transfer, job.owner, lambda: self.runtime.is_draining)
+        await fallback.start(session_id)
+        return fallback
 
     async def _open(self, owner: str, prompt: tuple[int, ...]) -> tuple[str, int]:
         """A session holding exactly `prompt`, and how many of its tokens the cache already held."""

@@ -18,8 +18,8 @@ cache (no copies: the session moves to the request) and comes back when the requ
 Fallback forks. A reply longer than --max-rollback cannot be rolled back, so a next turn whose
 rendering of it differs (re-tokenized, or edited by the client) near its start would find no
 usable entry. For such requests the service also keeps a bitwise fork of the session taken at
-the end of the prompt (`ForkSession`'s path): an entry whose history is the prompt alone, which
-serves the next turn's prompt up to the reply. A fork is taken only when `has_room_for_fork`
+the end of the prompt (`ForkSession`'s path, fallback_fork.py): an entry whose history is the
+prompt alone, which serves the next turn's prompt up to the reply. A fork is taken only when `has_room_for_fork`
 says the pool has room for it beside the live sessions with a slab to spare (never with the
 cache off, never in a pool live sessions fill), and it is discarded when the reply turns out
 short enough for the full session's rollback to serve the same prefix. Forks are ordinary
@@ -186,8 +186,6 @@ class PrefixCache:
             self._close(session_id, owner)
             return False
         self._kept[session_id] = _Entry(owner, is_fork)
-        if is_fork:
-            metrics.PREFIX_CACHE_FORKS.inc()
         while self.kept_bytes() > self.max_bytes and self.evict_one():
             pass
         return session_id in self._kept
