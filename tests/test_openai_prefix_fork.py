@@ -8,9 +8,11 @@ the previous prompt instead, bitwise as a fresh prefill would.
 from __future__ import annotations
 
 from inference_engine import metrics
-from inference_engine.runtime.types import CreateSessionParams
+from inference_engine.runtime.types import AppendParams, CreateSessionParams
 from inference_engine.security.authenticator import Authenticator
+from inference_engine.security.settings import ANONYMOUS
 from inference_engine.security.tokens import TokenTable
+from inference_engine.server.openai_api.fallback_fork import FallbackFork
 from tests.openai_helpers import http_api
 
 PROMPT = [5, 17, 42, 99, 3]
@@ -111,3 +113,26 @@ async def test_no_fork_in_a_pool_live_sessions_fill(tiny_engine):
             s.client() as c:  # room for one kept session only: no fork beside it
         await c.completions.create(model=s.model, prompt=PROMPT, max_tokens=REPLY, temperature=0)
         assert _forks_kept() == forks and len(s.http.serving.service.cache) == 1
+
+
+async def test_a_fork_that_fails_or_is_not_wanted_is_never_kept(tiny_engine):
+    """FallbackFork over the real runtime: a session closed before its fork (the fork fails, quietly), a fork
+    built while draining, and one no longer wanted before it is built: none is kept, none is left open."""
+    async with http_api(tiny_engine, max_sessions=6) as s:
+        service = s.http.serving.service
+        made = await s.runtime.create_session(CreateSessionParams((), "probe", 0, 0))
+        await s.runtime.append_tokens(AppendParams(made.session_id, tuple(PROMPT)))
+        gone = FallbackFork(service.cache, service.transfer, ANONYMOUS, lambda: False)
+        await gone.start("no-such-session")
+        await gone.built()
+        draining = FallbackFork(service.cache, service.transfer, ANONYMOUS, lambda: True)
+        await draining.start(made.session_id)
+        await draining.built()
+        discarded = _count("inference_engine_prefix_cache_forks_total", outcome="discarded")
+        unwanted = FallbackFork(service.cache, service.transfer, ANONYMOUS, lambda: False)
+        await unwanted.start(made.session_id)
+        unwanted.finish(is_wanted=False)  # before it is built: closed when it is
+        await unwanted.built()
+        assert _count("inference_engine_prefix_cache_forks_total", outcome="discarded") == discarded + 1
+        assert (gone.session_id, draining.session_id, unwanted.session_id) == (None, None, None)
+        assert len(service.cache) == 0 and [x.session_id for x in s.runtime.store.sessions()] == [made.session_id]
