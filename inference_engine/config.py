@@ -69,6 +69,7 @@ class ServerConfig:
     # -- the OpenAI-compatible HTTP API (docs/openai.md)
     http_port: int = 0  # port of the HTTP API on `host` (same TLS and tokens as gRPC); 0 = no HTTP API
     prefix_cache_bytes: int = 1 << 29  # K/V bytes of sessions the HTTP API keeps for prefix reuse (0 = none kept)
+    prefix_cache_forks: bool = True  # also keep a fork at the end of a prompt whose reply may outgrow --max-rollback
     # -- session snapshots and persistence (docs/snapshots.md)
     snapshot_dir: Path | None = None  # where SnapshotSession(to_dir) writes and RestoreSession(file) reads
     max_snapshot_bytes: int = 1 << 30  # largest snapshot RestoreSession accepts (its header's size, checked first)
@@ -154,6 +155,10 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
                         help="K/V bytes of finished HTTP requests' sessions kept to reuse their prefix exactly "
                         "(counted in --max-kv-bytes, evicted least recently used before a live session is refused; "
                         "0 = keep none; default %(default)s)")
+    parser.add_argument("--no-prefix-cache-forks", action="store_true",
+                        help="keep no fork at the end of a prompt as the prefix cache's fallback (by default one is kept "
+                        "when the reply may outgrow --max-rollback and the cache and pool have room: it serves a next "
+                        "turn whose client re-tokenized or edited the reply, at the cost of a fork per such request)")
     # -- session snapshots and persistence
     parser.add_argument("--snapshot-dir", type=Path, default=None,
                         help="folder for SnapshotSession(to_dir) files and RestoreSession(file)")
@@ -236,6 +241,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         security=server_security_from_args(args), shard_security=client_security_from_args(args, "shard-"),
         metrics_host=args.metrics_host, metrics_port=args.metrics_port,
         http_port=args.http_port, prefix_cache_bytes=args.prefix_cache_bytes,
+        prefix_cache_forks=not args.no_prefix_cache_forks,
         snapshot_dir=args.snapshot_dir, max_snapshot_bytes=args.max_snapshot_bytes, max_transfers=args.max_transfers,
         max_transfers_per_identity=args.max_transfers_per_identity, persist_dir=args.persist_sessions,
         persist_every=args.persist_every, persist_interval_s=args.persist_interval,

@@ -113,6 +113,10 @@ async def test_no_fork_in_a_pool_live_sessions_fill(tiny_engine):
             s.client() as c:  # room for one kept session only: no fork beside it
         await c.completions.create(model=s.model, prompt=PROMPT, max_tokens=REPLY, temperature=0)
         assert _forks_kept() == forks and len(s.http.serving.service.cache) == 1
+    async with http_api(tiny_engine, max_sessions=8, prefix_cache_forks=False) as s, s.client() as c:
+        await c.completions.create(model=s.model, prompt=PROMPT, max_tokens=REPLY, temperature=0)
+        cache = s.http.serving.service.cache  # --no-prefix-cache-forks: the full session only
+        assert _forks_kept() == forks and (len(cache), cache.forks()) == (1, 0)
 
 
 async def test_a_fork_that_fails_or_is_not_wanted_is_never_kept(tiny_engine):

@@ -144,8 +144,8 @@ class CompletionService:
 
     async def _fallback_fork(self, job: CompletionJob, session_id: str) -> FallbackFork | None:
         """A fallback fork of the prompt, started (its state copied), if the reply may outgrow --max-rollback
-        and the cache has room (`PrefixCache.has_room_for_fork`)."""
-        if job.max_tokens <= self.cache.max_rollback:
+        and the cache has room (`PrefixCache.has_room_for_fork`); never under --no-prefix-cache-forks."""
+        if not self.runtime.config.prefix_cache_forks or job.max_tokens <= self.cache.max_rollback:
             return None
         if not self.cache.has_room_for_fork(self.runtime.store.get(session_id, job.owner), others=job.n - 1):
             return None
