@@ -21,8 +21,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from inference_engine.errors import InvalidRequest, RuntimeServiceError
-from inference_engine.shard.client.batch_stream import BatchStream
-from inference_engine.shard.client.hop_stream import REFUSED, UNRELATED, HopStream
+from inference_engine.shard.client.hop_stream import REFUSED, UNRELATED, BatchStream, HopStream
 from inference_engine.shard.client.route_session import RouteSession, checked_output
 from inference_engine.shard.protocol.errors import MalformedShardOutput
 from inference_engine.shard.protocol.types import ShardCapabilities
@@ -54,7 +53,7 @@ class BatchedForward:
     def _open_batches(self) -> None:
         """A Batch stream per worker, opened on first use (after `connect` learnt the route)."""
         self._close_batches()
-        self._batches = [BatchStream(stub, address, f"shard worker {address} (layers {c.layers})", self.step_timeout_s)
+        self._batches = [BatchStream(stub, address, c, self.step_timeout_s)
                          for stub, address, c in zip(self._stubs, self.addresses, self._caps)]
 
     def _close_batches(self) -> None:

@@ -1,8 +1,11 @@
-"""Client side of one worker's Session stream (one hop of a route, one route session).
+"""Client side of one worker's streams: a route session's Session stream, and the Batch stream
+every session of the route shares.
 
-One request is in flight at a time: `request` writes a frame and reads until the answer
-for that step, applying FlowControl grants on the way and resending after a retryable
-FLOW_CONTROL_VIOLATION. Failures raise the shard error hierarchy, naming the worker.
+On each, one request is in flight at a time. `HopStream.request` writes a frame and reads until
+the answer for that step, applying FlowControl grants on the way and resending after a retryable
+FLOW_CONTROL_VIOLATION; `BatchStream.request` writes many sessions' frames in one message and
+reads the one response. Failures raise the shard error hierarchy, naming the worker; a Batch
+stream that broke is opened again by the next request.
 """
 
 from __future__ import annotations
@@ -36,6 +39,11 @@ REFUSED = object()  # answer_of: the worker refused the frame for lack of credit
 UNRELATED = object()  # answer_of: the frame says nothing of this step
 
 
+def where(address: str, caps: ShardCapabilities) -> str:
+    """'shard worker HOST:PORT (layers A:B)' for messages."""
+    return f"shard worker {address} (layers {caps.layers})"
+
+
 class HopStream:
     """One worker's stream for one route session."""
 
@@ -52,8 +60,7 @@ class HopStream:
 
     @property
     def where(self) -> str:
-        """'shard worker HOST:PORT (layers A:B)' for messages."""
-        return f"shard worker {self.address} (layers {self.caps.layers})"
+        return where(self.address, self.caps)
 
     async def open(self, route_session_id: str, epoch: int, geometry: CacheGeometry, timeout_s: float) -> None:
         """Start the stream with SessionOpen and check the SessionAccepted answer (within `timeout_s`).
@@ -185,3 +192,56 @@ class HopStream:
             self._call.cancel()
         if self._pump_task is not None:
             self._pump_task.cancel()
+
+
+class BatchStream:
+    """One worker's Batch stream, shared by every session of the route: many sessions' frames in one
+    message each way."""
+
+    def __init__(self, stub: pb_grpc.ShardRuntimeStub, address: str, caps: ShardCapabilities, timeout_s: float):
+        self.stub = stub
+        self.address = address
+        self.where = where(address, caps)
+        self.timeout_s = timeout_s
+        self._call: grpc.aio.StreamStreamCall | None = None
+        self._lock = asyncio.Lock()
+
+    async def request(self, entries: list[pb.ShardBatchEntry]) -> list[pb.ShardResponseFrame]:
+        """The worker's answer to each entry, in order.
+
+        Raises:
+            ShardUnavailable (or the mapped status) when the stream broke; DeadlineExpired when no
+            answer came within the timeout; MalformedShardOutput for a response of the wrong size.
+            Which entries ran is then unknown: their sessions must be treated as failed.
+        """
+        async with self._lock:
+            if self._call is None or self._call.done():
+                self._call = self.stub.Batch()
+            try:
+                await self._call.write(pb.ShardBatchRequest(entries=entries))
+                response = await asyncio.wait_for(self._call.read(), self.timeout_s)
+                if response is grpc.aio.EOF:
+                    raise ShardUnavailable(f"{self.where} ended the Batch stream")
+                if len(response.frames) != len(entries):
+                    raise MalformedShardOutput(f"{self.where} answered {len(response.frames)} frames to a Batch "
+                                               f"request of {len(entries)} entries")
+                return list(response.frames)
+            except asyncio.TimeoutError:
+                self.close()
+                raise DeadlineExpired(f"{self.where} did not answer a Batch request within {self.timeout_s:.1f} s") \
+                    from None
+            except grpc.aio.AioRpcError as exc:
+                self.close()
+                raise error_of_rpc(exc, self.address) from exc
+            except (asyncio.InvalidStateError, grpc.aio.UsageError) as exc:
+                self.close()
+                raise ShardUnavailable(f"{self.where} ended the Batch stream ({exc!r})") from exc
+            except RuntimeServiceError:
+                self.close()
+                raise
+
+    def close(self) -> None:
+        """Cancel the stream (the next request opens another)."""
+        if self._call is not None and not self._call.done():
+            self._call.cancel()
+        self._call = None

@@ -7,6 +7,7 @@
         await route.trim("s1", 2)                                     # drop 2 rejected tokens
         digests = await route.layer_digests("s1")                     # per-layer K/V SHA-256s
         layers = await route.export_kv("s1"); await route.release("s1")  # retained K/V; free
+        # (export_kv / import_kv: a snapshot of a routed session is the same file as one process's)
 
     # After a worker restart (or any failure): a newer epoch, then replay the history.
     route.advance_epoch()
@@ -29,19 +30,22 @@ from typing import Any, Callable, Sequence
 import grpc
 import numpy as np
 
-from inference_engine.errors import InvalidRequest, InvariantViolation, SessionNotFound
+from inference_engine.errors import InvalidRequest, InvariantViolation, RuntimeServiceError, SessionNotFound
 from inference_engine.security.credentials import open_channel
 from inference_engine.security.settings import ClientSecurity
 from inference_engine.shard.client.batched_forward import BatchedForward
 from inference_engine.shard.client.hop_stream import HopStream
-from inference_engine.shard.client.kv_transfer import KvTransfer
-from inference_engine.shard.client.route_session import HopStats, RouteSession, checked_output
+from inference_engine.shard.client.route_session import HopStats, RouteSession, check_positions, checked_output
 from inference_engine.shard.protocol.errors import MalformedShardOutput, error_of_rpc
 from inference_engine.shard.protocol.types import LayerRange, ShardCapabilities, ShardHealth
 from inference_engine.shard.protocol.wire import (
     CLIENT_CHANNEL_OPTIONS,
+    LayerKV,
     capabilities_of,
     digest_frame,
+    kv_export_frame,
+    kv_import_frame,
+    layer_kv_of,
     trim_frame,
     work_frame,
 )
@@ -50,7 +54,7 @@ from inference_engine.v1 import shard_runtime_pb2_grpc as pb_grpc
 from inference_engine.execution.kv_cache import CacheGeometry
 
 
-class ShardPipeline(KvTransfer, BatchedForward):
+class ShardPipeline(BatchedForward):
     """A route of shard workers computing one model, for many sessions."""
 
     def __init__(self, addresses: Sequence[str], *, epoch: int = 1, step_timeout_s: float = 120.0,
@@ -246,7 +250,8 @@ class ShardPipeline(KvTransfer, BatchedForward):
         def advance() -> None:
             s.position += len(block)
 
-        return await self._round(s, frame, lambda hop, result, _: checked_output(hop, result, s.position, len(block), all_logits), advance)
+        return await self._round(s, frame, lambda hop, result, _: checked_output(hop, result, s.position, len(block),
+                                                                                   all_logits), advance)
 
     async def trim(self, session_id: str, n: int) -> int:
         """Drop the session's last `n` positions on every worker (speculative rollback).
@@ -264,15 +269,12 @@ class ShardPipeline(KvTransfer, BatchedForward):
             self._check_usable(s)
             raise InvariantViolation(f"cannot trim {n} positions; allowed 0..{allowed}")
 
-        def check(hop: HopStream, result: pb.ShardStepResult, _: object) -> None:
-            if (result.position, result.next_position) != (s.position, s.position - n):
-                raise MalformedShardOutput(f"{hop.where} trimmed {result.position}->{result.next_position}; "
-                                           f"expected {s.position}->{s.position - n}")
-
         def advance() -> None:
             s.position -= n
 
-        await self._round(s, lambda i, _, deadline: trim_frame(s.epoch, s.step, s.position, n, deadline), check, advance)
+        await self._round(s, lambda i, _, deadline: trim_frame(s.epoch, s.step, s.position, n, deadline),
+                          lambda hop, result, _: check_positions(hop, result, s.position, s.position - n, "trimmed"),
+                          advance)
         return s.position
 
     async def layer_digests(self, session_id: str) -> list[bytes]:
@@ -299,6 +301,64 @@ class ShardPipeline(KvTransfer, BatchedForward):
 
         return await self._round(s, lambda i, _, deadline: digest_frame(s.epoch, s.step, s.position, deadline), check,
                                  count=False)
+
+    async def export_kv(self, session_id: str) -> LayerKV:
+        """Every block's retained K/V, in layer order (head's blocks first): the session's canonical state.
+
+        Equal to `SinkWindowKVCache.canonical_state()` of a single process fed the same tokens.
+
+        Raises:
+            InvariantViolation: the session failed earlier.
+            MalformedShardOutput: a worker reported the wrong number, shape or dtype of tensors.
+            any shard error a worker answered with (the session fails).
+        """
+        s = self._session(session_id)
+        n = len(s.geometry.visible_positions(s.position)[:-1]) if s.position else 0
+
+        def check(hop: HopStream, result: pb.ShardStepResult, layers: LayerKV | None) -> LayerKV:
+            try:
+                got = layer_kv_of(result.keys, result.values)
+            except RuntimeServiceError as exc:
+                raise MalformedShardOutput(f"{hop.where} sent bad K/V tensors: {exc}") from exc
+            shapes_ok = all(k.ndim == 3 and k.shape[1] == n and k.shape == v.shape and k.dtype == v.dtype
+                            for k, v in got)
+            if len(got) != len(hop.caps.layers) or not shapes_ok or result.next_position != s.position:
+                raise MalformedShardOutput(f"{hop.where} exported K/V of {len(got)} blocks at position "
+                                           f"{result.next_position}; expected {len(hop.caps.layers)} blocks of {n} "
+                                           f"positions at {s.position}")
+            return (layers or []) + got
+
+        return await self._round(s, lambda i, _, deadline: kv_export_frame(s.epoch, s.step, s.position, deadline),
+                                 check, count=False)
+
+    async def import_kv(self, session_id: str, position: int, layers: LayerKV) -> int:
+        """Load a canonical state (as `export_kv` returns it) into a session just opened; returns `position`.
+
+        Each worker gets its own blocks' K/V; the session then stands at `position`.
+
+        Raises:
+            InvalidRequest: `layers` is not one (keys, values) per model block (nothing is sent).
+            InvariantViolation: the session is not at position 0, or failed earlier.
+            any shard error a worker answered with (the session fails).
+        """
+        s = self._session(session_id)
+        if len(layers) != self._connected()[0].num_layers:
+            raise InvalidRequest(f"K/V of {len(layers)} blocks for a model of {self._connected()[0].num_layers}")
+        if s.position != 0:
+            self._check_usable(s)
+            raise InvariantViolation(f"K/V import into session {session_id!r} at position {s.position}; it must be "
+                                     "just opened (position 0)")
+
+        def frame(i: int, _: object, deadline: int) -> pb.ShardRequestFrame:
+            span = s.hops[i].caps.layers
+            return kv_import_frame(s.epoch, s.step, 0, position, layers[span.start : span.end], deadline)
+
+        def advance() -> None:
+            s.position = position
+
+        await self._round(s, frame, lambda hop, result, _: check_positions(hop, result, 0, position, "imported K/V to"),
+                          advance, count=False)
+        return position
 
     async def cancel(self, session_id: str) -> None:
         """Cancel the session on every worker (out of band; a running step stops within a chunk).

@@ -46,14 +46,18 @@ class RouteSession:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one call at a time
 
 
+def check_positions(hop: HopStream, result: pb.ShardStepResult, start: int, end: int, did: str) -> None:
+    """The answer must move the session from `start` to `end` (`did`: what the hop did, for the message)."""
+    if (result.position, result.next_position) != (start, end):
+        raise MalformedShardOutput(f"{hop.where} {did} {result.position}->{result.next_position}; "
+                                   f"expected {start}->{end}")
+
 
 def checked_output(hop: HopStream, result: pb.ShardStepResult, position: int, rows: int,
-               all_logits: bool) -> np.ndarray:
+                   all_logits: bool) -> np.ndarray:
     """The answer's tensor, after checking it is what this hop must produce."""
     caps = hop.caps
-    if (result.position, result.next_position) != (position, position + rows):
-        raise MalformedShardOutput(f"{hop.where} computed positions {result.position}->{result.next_position}; "
-                                   f"expected {position}->{position + rows}")
+    check_positions(hop, result, position, position + rows, "computed positions")
     if not result.HasField("output"):
         raise MalformedShardOutput(f"{hop.where} answered without an output tensor")
     try:

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
-from typing import Any, Callable
+from typing import Any
 
 import grpc
 
