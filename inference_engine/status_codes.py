@@ -128,6 +128,13 @@ def shard_status_of(code: ShardErrorCode) -> grpc.StatusCode:
     return SHARD_STATUS.get(code, grpc.StatusCode.INTERNAL)
 
 
+async def abort_shard(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+    """End a ShardRuntime call or stream with `exc`'s status; the details start with its wire code's name
+    (`EPOCH_STALE: ...`), which a route client reads back (`shard/protocol/errors.py`)."""
+    code = shard_code_of(exc)
+    await context.abort(shard_status_of(code), f"{code.name}: {exc}")
+
+
 def mapped(abort: Abort, before: Callable[[Any, grpc.aio.ServicerContext], tuple] | None = None) -> Callable:
     """Decorate a servicer's unary methods: errors end the call through `abort`, unexpected ones logged.
 

@@ -42,11 +42,9 @@ from inference_engine.shard.protocol.wire import (
     CLIENT_CHANNEL_OPTIONS,
     LayerKV,
     capabilities_of,
-    digest_frame,
-    kv_export_frame,
+    step_frame,
     kv_import_frame,
     layer_kv_of,
-    trim_frame,
     work_frame,
 )
 from inference_engine.v1 import shard_runtime_pb2 as pb
@@ -272,7 +270,7 @@ class ShardPipeline(BatchedForward):
         def advance() -> None:
             s.position -= n
 
-        await self._round(s, lambda i, _, deadline: trim_frame(s.epoch, s.step, s.position, n, deadline),
+        await self._round(s, lambda i, _, deadline: step_frame("trim", s.epoch, s.step, s.position, deadline, tokens=n),
                           lambda hop, result, _: check_positions(hop, result, s.position, s.position - n, "trimmed"),
                           advance)
         return s.position
@@ -299,8 +297,8 @@ class ShardPipeline(BatchedForward):
                                            f"SHA-256 digests at {s.position}")
             return (digests or []) + got
 
-        return await self._round(s, lambda i, _, deadline: digest_frame(s.epoch, s.step, s.position, deadline), check,
-                                 count=False)
+        return await self._round(s, lambda i, _, deadline: step_frame("digest", s.epoch, s.step, s.position, deadline),
+                                 check, count=False)
 
     async def export_kv(self, session_id: str) -> LayerKV:
         """Every block's retained K/V, in layer order (head's blocks first): the session's canonical state.
@@ -328,7 +326,7 @@ class ShardPipeline(BatchedForward):
                                            f"positions at {s.position}")
             return (layers or []) + got
 
-        return await self._round(s, lambda i, _, deadline: kv_export_frame(s.epoch, s.step, s.position, deadline),
+        return await self._round(s, lambda i, _, deadline: step_frame("kv_export", s.epoch, s.step, s.position, deadline),
                                  check, count=False)
 
     async def import_kv(self, session_id: str, position: int, layers: LayerKV) -> int:

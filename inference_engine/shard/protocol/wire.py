@@ -91,6 +91,12 @@ def frame_header(frame: pb.ShardRequestFrame) -> FrameHeader:
                        check("idempotency_step", msg.idempotency_step), rsid)
 
 
+def step_of(frame: pb.ShardRequestFrame) -> int:
+    """The frame's idempotency_step, unchecked (0 for a frame without one): what its error answer names."""
+    kind = frame.WhichOneof("frame")
+    return getattr(getattr(frame, kind), "idempotency_step", 0) if kind else 0
+
+
 def work_of(frame: pb.ShardRequestFrame) -> ShardWork:
     """Decode a chunk or decode frame's payload into ShardWork.
 
@@ -140,19 +146,22 @@ def kv_import_of(frame: pb.ShardRequestFrame) -> tuple[int, LayerKV]:
 # -- server -> client -------------------------------------------------------------------
 
 
+def step_result(step: int, position: int, next_position: int, flow: pb.FlowControl | None,
+                **fields: object) -> pb.ShardResponseFrame:
+    """A ShardStepResult answering work step `step` (moving the session from `position` to `next_position`)."""
+    result = pb.ShardStepResult(idempotency_step=step, position=position, next_position=next_position, **fields)
+    return pb.ShardResponseFrame(result=result, flow=flow)
+
+
 def result_frame(out: ShardOutput, flow: pb.FlowControl | None) -> pb.ShardResponseFrame:
     """A ShardStepResult carrying the output tensor."""
-    result = pb.ShardStepResult(idempotency_step=out.work_id, position=out.position,
-                                next_position=out.next_position, output=encode_tensor(out.tensor))
-    return pb.ShardResponseFrame(result=result, flow=flow)
+    return step_result(out.work_id, out.position, out.next_position, flow, output=encode_tensor(out.tensor))
 
 
 def kv_result(step: int, position: int, layers: LayerKV, flow: pb.FlowControl | None) -> pb.ShardResponseFrame:
     """The ShardStepResult answering a ShardKvExport."""
-    result = pb.ShardStepResult(idempotency_step=step, position=position, next_position=position)
-    result.keys.extend(encode_tensor(k) for k, _ in layers)
-    result.values.extend(encode_tensor(v) for _, v in layers)
-    return pb.ShardResponseFrame(result=result, flow=flow)
+    return step_result(step, position, position, flow, keys=[encode_tensor(k) for k, _ in layers],
+                       values=[encode_tensor(v) for _, v in layers])
 
 
 def error_frame(exc: BaseException, step: int, session_closed: bool,
@@ -207,49 +216,33 @@ def open_frame(route_session_id: str, epoch: int, geometry: CacheGeometry, credi
     ))
 
 
+_STEP_MESSAGES = {"trim": pb.ShardTrim, "digest": pb.ShardDigest, "kv_export": pb.ShardKvExport, "kv_import": pb.ShardKvImport,
+            "decode": pb.DecodeStep, "chunk": pb.ActivationChunk}
+
+
+def step_frame(kind: str, epoch: int, step: int, position: int, deadline_ns: int = 0,
+                  **fields: object) -> pb.ShardRequestFrame:
+    """A work frame of `kind` ("trim", "digest", "kv_export", "kv_import", "decode", "chunk") with its
+    admission fields and `fields` (e.g. `tokens=n` for a trim)."""
+    msg = _STEP_MESSAGES[kind](route_epoch=epoch, deadline_unix_nanos=deadline_ns, idempotency_step=step, position=position,
+                         **fields)
+    return pb.ShardRequestFrame(**{kind: msg})
+
+
 def work_frame(route_session_id: str, epoch: int, step: int, position: int, tokens: list[int] | None,
                hidden: np.ndarray | None, all_logits: bool, deadline_ns: int = 0) -> pb.ShardRequestFrame:
     """A DecodeStep for one row, else an ActivationChunk (tokens for the head, hidden elsewhere)."""
     rows = hidden.shape[0] if hidden is not None else len(tokens)
     if rows == 1:
-        d = pb.DecodeStep(route_epoch=epoch, deadline_unix_nanos=deadline_ns, idempotency_step=step, position=position)
-        if hidden is not None:
-            d.hidden.CopyFrom(encode_tensor(hidden))
-        else:
-            d.token_id = tokens[0]
-        return pb.ShardRequestFrame(decode=d)
-    c = pb.ActivationChunk(route_session_id=route_session_id, route_epoch=epoch, deadline_unix_nanos=deadline_ns,
-                           idempotency_step=step, position=position, all_logits=all_logits)
-    if hidden is not None:
-        c.hidden.CopyFrom(encode_tensor(hidden))
-    else:
-        c.token_ids.extend(tokens)
-    return pb.ShardRequestFrame(chunk=c)
-
-
-def trim_frame(epoch: int, step: int, position: int, n: int, deadline_ns: int = 0) -> pb.ShardRequestFrame:
-    """A ShardTrim frame."""
-    return pb.ShardRequestFrame(trim=pb.ShardTrim(route_epoch=epoch, deadline_unix_nanos=deadline_ns,
-                                                  idempotency_step=step, position=position, tokens=n))
-
-
-def kv_export_frame(epoch: int, step: int, position: int, deadline_ns: int = 0) -> pb.ShardRequestFrame:
-    """A ShardKvExport frame."""
-    return pb.ShardRequestFrame(kv_export=pb.ShardKvExport(route_epoch=epoch, deadline_unix_nanos=deadline_ns,
-                                                          idempotency_step=step, position=position))
+        payload = {"hidden": encode_tensor(hidden)} if hidden is not None else {"token_id": tokens[0]}
+        return step_frame("decode", epoch, step, position, deadline_ns, **payload)
+    payload = {"hidden": encode_tensor(hidden)} if hidden is not None else {"token_ids": tokens}
+    return step_frame("chunk", epoch, step, position, deadline_ns, route_session_id=route_session_id,
+                         all_logits=all_logits, **payload)
 
 
 def kv_import_frame(epoch: int, step: int, position: int, target: int, layers: LayerKV,
                     deadline_ns: int = 0) -> pb.ShardRequestFrame:
     """A ShardKvImport frame carrying one worker's blocks' K/V."""
-    msg = pb.ShardKvImport(route_epoch=epoch, deadline_unix_nanos=deadline_ns, idempotency_step=step,
-                           position=position, target_position=target)
-    msg.keys.extend(encode_tensor(k) for k, _ in layers)
-    msg.values.extend(encode_tensor(v) for _, v in layers)
-    return pb.ShardRequestFrame(kv_import=msg)
-
-
-def digest_frame(epoch: int, step: int, position: int, deadline_ns: int = 0) -> pb.ShardRequestFrame:
-    """A ShardDigest frame."""
-    return pb.ShardRequestFrame(digest=pb.ShardDigest(route_epoch=epoch, deadline_unix_nanos=deadline_ns,
-                                                      idempotency_step=step, position=position))
+    return step_frame("kv_import", epoch, step, position, deadline_ns, target_position=target,
+                         keys=[encode_tensor(k) for k, _ in layers], values=[encode_tensor(v) for _, v in layers])

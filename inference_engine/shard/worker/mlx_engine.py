@@ -210,10 +210,15 @@ class MlxShardEngine(ShardEngine):
             raise out
         return out
 
-    def trim(self, session_id: str, n: int, position: int) -> int:
+    def _at(self, session_id: str, position: int, what: str) -> _Session:
+        """The session, which must stand at `position` for `what` (the frame's expectation)."""
         s = self._session(session_id)
         if position != s.position:
-            raise InvariantViolation(f"trim at position {position}, but the session is at {s.position}")
+            raise InvariantViolation(f"{what} at position {position}, but the session is at {s.position}")
+        return s
+
+    def trim(self, session_id: str, n: int, position: int) -> int:
+        s = self._at(session_id, position, "trim")
         allowed = min(s.geometry.max_rollback, s.position)
         if not 0 <= n <= allowed:
             raise InvariantViolation(f"cannot trim {n} positions; allowed 0..{allowed}")
@@ -221,23 +226,17 @@ class MlxShardEngine(ShardEngine):
         return s.position
 
     def layer_digests(self, session_id: str, position: int) -> list[bytes]:
-        s = self._session(session_id)
-        if position != s.position:
-            raise InvariantViolation(f"digest at position {position}, but the session is at {s.position}")
-        return s.executor.layer_digests()
+        return self._at(session_id, position, "digest").executor.layer_digests()
 
     def export_kv(self, session_id: str, position: int) -> list[tuple[np.ndarray, np.ndarray]]:
-        s = self._session(session_id)
-        if position != s.position:
-            raise InvariantViolation(f"K/V export at position {position}, but the session is at {s.position}")
+        s = self._at(session_id, position, "K/V export")
         return [(np.array(k), np.array(v)) for k, v in (c.canonical_state() for c in s.cache)]
 
     def import_kv(self, session_id: str, position: int, target: int,
                   layers: list[tuple[np.ndarray, np.ndarray]]) -> int:
-        s = self._session(session_id)
-        if position != s.position or position != 0:
-            raise InvariantViolation(f"K/V import at position {position}, but the session is at {s.position} "
-                                     "(an import loads a session just opened, at 0)")
+        s = self._at(session_id, position, "K/V import")
+        if position != 0:
+            raise InvariantViolation(f"K/V import at position {position}: an import loads a session just opened, at 0")
         if len(layers) != len(s.cache):
             raise InvalidRequest(f"K/V of {len(layers)} blocks for a worker running {len(s.cache)} ({self.layers})")
         try:

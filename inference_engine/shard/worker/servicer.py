@@ -14,10 +14,12 @@ from inference_engine.runtime.scheduler import Scheduler
 from inference_engine.security.auth_interceptor import token_interceptors
 from inference_engine.security.credentials import SERVER_OPTIONS, bind
 from inference_engine.security.settings import ServerSecurity
-from inference_engine.status_codes import mapped, shard_code_of, shard_status_of
+from inference_engine.status_codes import abort_shard, mapped
 from inference_engine.shard.protocol.errors import ShardUnavailable
 from inference_engine.shard.protocol.types import ShardOutput, StepItem
-from inference_engine.shard.protocol.wire import CHANNEL_OPTIONS, capability_msg, check, error_frame, frame_header, health_msg
+from inference_engine.shard.protocol.wire import (
+    CHANNEL_OPTIONS, capability_msg, check, error_frame, frame_header, health_msg, step_of,
+)
 from inference_engine.shard.worker.engine import ShardEngine
 from inference_engine.shard.worker.route_table import RouteTable
 from inference_engine.shard.worker.session_stream import SessionStream
@@ -29,12 +31,7 @@ log = logging.getLogger(__name__)
 RELEASE_WAIT_S = 30.0  # Release waits this long for a running item to stop
 
 
-async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
-    code = shard_code_of(exc)
-    await context.abort(shard_status_of(code), f"{code.name}: {exc}")  # details start with the wire code's name
-
-
-_mapped = mapped(_abort)
+_mapped = mapped(abort_shard)
 
 
 def _no_jobs() -> Backend:
@@ -83,7 +80,7 @@ class ShardRuntimeServicer(pb_grpc.ShardRuntimeServicer):
         """The answer to one Batch entry: its session's, or why it has no live session here."""
         frame = entry.frame
         kind = frame.WhichOneof("frame")
-        step = getattr(getattr(frame, kind), "idempotency_step", 0) if kind in ("chunk", "decode") else 0
+        step = step_of(frame) if kind in ("chunk", "decode") else 0
         try:
             if kind not in ("chunk", "decode"):
                 raise InvalidRequest(f"a Batch entry carries a chunk or decode frame, not {kind or 'nothing'}")

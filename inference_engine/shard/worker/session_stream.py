@@ -42,11 +42,13 @@ from inference_engine.shard.protocol.wire import (
     kv_result,
     open_request,
     result_frame,
+    step_of,
+    step_result,
     work_of,
 )
 from inference_engine.shard.worker.engine import ShardEngine
 from inference_engine.shard.worker.route_table import RouteTable
-from inference_engine.status_codes import shard_code_of, shard_status_of
+from inference_engine.status_codes import abort_shard
 from inference_engine.v1 import shard_runtime_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -124,7 +126,7 @@ class SessionStream:
             # The clean-up runs to its end even if this RPC is cancelled (the client hung up).
             await asyncio.shield(_background(self._close(tasks)))
         if fatal is not None:
-            await self.context.abort(shard_status_of(shard_code_of(fatal)), f"{shard_code_of(fatal).name}: {fatal}")
+            await abort_shard(self.context, fatal)
 
     async def _open(self, frame: pb.ShardRequestFrame) -> pb.SessionAccepted:
         """Validate the SessionOpen, register the session and allocate its caches."""
@@ -152,7 +154,7 @@ class SessionStream:
         if not isinstance(exc, RuntimeServiceError):
             log.exception("unexpected error opening a shard session", exc_info=exc)
         await self.context.write(error_frame(exc, 0, session_closed=True))
-        await self.context.abort(shard_status_of(shard_code_of(exc)), f"{shard_code_of(exc).name}: {exc}")
+        await abort_shard(self.context, exc)
 
     def submit(self, frame: pb.ShardRequestFrame) -> asyncio.Future:
         """Admit a chunk or decode frame of a Batch request (the servicer checked the kind); the
@@ -162,8 +164,7 @@ class SessionStream:
         frames of the stream); a frame that fails the session closed also ends the stream.
         """
         reply: asyncio.Future = asyncio.get_running_loop().create_future()
-        kind = frame.WhichOneof("frame")
-        step = getattr(getattr(frame, kind), "idempotency_step", 0) if kind else 0
+        step = step_of(frame)
         self._replies[reply] = step
         reply.add_done_callback(lambda f: self._replies.pop(f, None))
         if self._closing:
@@ -248,8 +249,7 @@ class SessionStream:
             except Exception as exc:  # noqa: BLE001 - a bad frame fails the session closed
                 if not isinstance(exc, RuntimeServiceError):
                     log.exception("unexpected error admitting a frame of session %s", self.key)
-                kind = frame.WhichOneof("frame")
-                self.fail(exc, getattr(getattr(frame, kind), "idempotency_step", 0) if kind else 0)
+                self.fail(exc, step_of(frame))
                 return
 
     def _admit(self, frame: pb.ShardRequestFrame, reply: asyncio.Future | None = None) -> None:
@@ -332,21 +332,17 @@ class SessionStream:
         step, kind, position = item.header.step, item.header.kind, item.position
         if kind == "trim":
             new_position = await self.thread.run(self.engine.trim, self.key, item.trim_tokens, position)
-            result = pb.ShardStepResult(idempotency_step=step, position=position, next_position=new_position)
-            return pb.ShardResponseFrame(result=result, flow=self._grant())
+            return step_result(step, position, new_position, self._grant())
         if kind == "digest":
             digests = await self.thread.run(self.engine.layer_digests, self.key, position)
-            result = pb.ShardStepResult(idempotency_step=step, position=position, next_position=position,
-                                        layer_digests=digests)
-            return pb.ShardResponseFrame(result=result, flow=self._grant())
+            return step_result(step, position, position, self._grant(), layer_digests=digests)
         if kind == "kv_export":
             layers = await self.thread.run(self.engine.export_kv, self.key, position)
             return kv_result(step, position, layers, self._grant())
         if kind == "kv_import":
             target, layers = item.kv
             new_position = await self.thread.run(self.engine.import_kv, self.key, position, target, layers)
-            result = pb.ShardStepResult(idempotency_step=step, position=position, next_position=new_position)
-            return pb.ShardResponseFrame(result=result, flow=self._grant())
+            return step_result(step, position, new_position, self._grant())
         out = await self.batcher.run(StepItem(self.key, item.work, is_decode=item.header.kind == "decode"))
         return result_frame(out, self._grant())
 
