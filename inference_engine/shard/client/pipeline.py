@@ -28,15 +28,16 @@ import time
 from typing import Any, Callable, Sequence
 
 import grpc
-import numpy as np
 
-from inference_engine.errors import InvalidRequest, InvariantViolation, RuntimeServiceError, SessionNotFound
+from inference_engine.errors import InvalidRequest, InvariantViolation, SessionNotFound
 from inference_engine.security.credentials import open_channel
 from inference_engine.security.settings import ClientSecurity
-from inference_engine.shard.client.batched_forward import BatchedForward
+from inference_engine.shard.client.forwarding import Forwarding
 from inference_engine.shard.client.hop_stream import HopStream
-from inference_engine.shard.client.route_session import HopStats, RouteSession, check_positions, checked_output
-from inference_engine.shard.protocol.errors import MalformedShardOutput, error_of_rpc
+from inference_engine.shard.client.route_session import (
+    HopStats, RouteSession, check_positions, check_route, checked_digests, checked_kv,
+)
+from inference_engine.shard.protocol.errors import error_of_rpc
 from inference_engine.shard.protocol.types import LayerRange, ShardCapabilities, ShardHealth
 from inference_engine.shard.protocol.wire import (
     CLIENT_CHANNEL_OPTIONS,
@@ -44,15 +45,13 @@ from inference_engine.shard.protocol.wire import (
     capabilities_of,
     step_frame,
     kv_import_frame,
-    layer_kv_of,
-    work_frame,
 )
 from inference_engine.v1 import shard_runtime_pb2 as pb
 from inference_engine.v1 import shard_runtime_pb2_grpc as pb_grpc
 from inference_engine.execution.kv_cache import CacheGeometry
 
 
-class ShardPipeline(BatchedForward):
+class ShardPipeline(Forwarding):
     """A route of shard workers computing one model, for many sessions."""
 
     def __init__(self, addresses: Sequence[str], *, epoch: int = 1, step_timeout_s: float = 120.0,
@@ -106,23 +105,7 @@ class ShardPipeline(BatchedForward):
         replies = await asyncio.gather(*(self._unary(i, "GetCapability", pb.ShardCapabilityRequest())
                                          for i in range(len(self._stubs))))
         caps = tuple(capabilities_of(r) for r in replies)
-        head = caps[0]
-        expected_start = 0
-        for address, c in zip(self.addresses, caps):
-            same = (c.model_fingerprint, c.num_layers, c.hidden_size, c.vocab_size, c.activation_dtype)
-            if same != (head.model_fingerprint, head.num_layers, head.hidden_size, head.vocab_size,
-                        head.activation_dtype):
-                raise InvalidRequest(f"shard worker {address} runs a different model ({c.model_name}, "
-                                     f"fingerprint {c.model_fingerprint[:12]}) than {self.addresses[0]}")
-            if c.kernels != head.kernels:
-                raise InvalidRequest(f"shard worker {address} computes with {c.kernels!r}, {self.addresses[0]} with "
-                                     f"{head.kernels!r}: a route must use one BLAS set-up to be bitwise one process")
-            if c.layers.start != expected_start:
-                raise InvalidRequest(f"shard worker {address} runs layers {c.layers}; the route needs layers "
-                                     f"starting at {expected_start} next")
-            expected_start = c.layers.end
-        if expected_start != head.num_layers:
-            raise InvalidRequest(f"the route ends at layer {expected_start}; the model has {head.num_layers}")
+        check_route(self.addresses, caps)
         self._caps = caps
         self._open_batches()
         return caps
@@ -223,34 +206,6 @@ class ShardPipeline(BatchedForward):
         """
         return self._session(session_id).position
 
-    async def forward(self, session_id: str, tokens: Sequence[int], *, all_logits: bool = True) -> np.ndarray:
-        """Compute `tokens` at the session's next positions through every worker.
-
-        Args:
-            tokens: the block (1..65536 ids, each below vocab_size). One token travels as
-                a compact DecodeStep, more as an ActivationChunk.
-            all_logits: logits for every row (verification), else for the last row only.
-        Returns:
-            (len(tokens), vocab) float32 logits, or (1, vocab); row i predicts the token after tokens[i].
-        Raises:
-            InvalidRequest: bad tokens (nothing is sent).
-            InvariantViolation: the session failed earlier and must be reopened.
-            MalformedShardOutput: a worker answered OK with wrong output (the session fails).
-            any shard error a worker answered with (the session fails).
-        """
-        s = self._session(session_id)
-        block = self._block(tokens)
-
-        def frame(i: int, data: np.ndarray | None, deadline: int) -> pb.ShardRequestFrame:
-            return work_frame(session_id, s.epoch, s.step, s.position, block if i == 0 else None, data, all_logits,
-                              deadline)
-
-        def advance() -> None:
-            s.position += len(block)
-
-        return await self._round(s, frame, lambda hop, result, _: checked_output(hop, result, s.position, len(block),
-                                                                                   all_logits), advance)
-
     async def trim(self, session_id: str, n: int) -> int:
         """Drop the session's last `n` positions on every worker (speculative rollback).
 
@@ -289,16 +244,9 @@ class ShardPipeline(BatchedForward):
         """
         s = self._session(session_id)
 
-        def check(hop: HopStream, result: pb.ShardStepResult, digests: list[bytes] | None) -> list[bytes]:
-            got = list(result.layer_digests)
-            if len(got) != len(hop.caps.layers) or any(len(d) != 32 for d in got) or result.next_position != s.position:
-                raise MalformedShardOutput(f"{hop.where} reported {len(got)} digests at position "
-                                           f"{result.next_position}; expected {len(hop.caps.layers)} "
-                                           f"SHA-256 digests at {s.position}")
-            return (digests or []) + got
-
         return await self._round(s, lambda i, _, deadline: step_frame("digest", s.epoch, s.step, s.position, deadline),
-                                 check, count=False)
+                                 lambda hop, result, got: (got or []) + checked_digests(hop, result, s.position),
+                                 count=False)
 
     async def export_kv(self, session_id: str) -> LayerKV:
         """Every block's retained K/V, in layer order (head's blocks first): the session's canonical state.
@@ -313,21 +261,9 @@ class ShardPipeline(BatchedForward):
         s = self._session(session_id)
         n = len(s.geometry.visible_positions(s.position)[:-1]) if s.position else 0
 
-        def check(hop: HopStream, result: pb.ShardStepResult, layers: LayerKV | None) -> LayerKV:
-            try:
-                got = layer_kv_of(result.keys, result.values)
-            except RuntimeServiceError as exc:
-                raise MalformedShardOutput(f"{hop.where} sent bad K/V tensors: {exc}") from exc
-            shapes_ok = all(k.ndim == 3 and k.shape[1] == n and k.shape == v.shape and k.dtype == v.dtype
-                            for k, v in got)
-            if len(got) != len(hop.caps.layers) or not shapes_ok or result.next_position != s.position:
-                raise MalformedShardOutput(f"{hop.where} exported K/V of {len(got)} blocks at position "
-                                           f"{result.next_position}; expected {len(hop.caps.layers)} blocks of {n} "
-                                           f"positions at {s.position}")
-            return (layers or []) + got
-
         return await self._round(s, lambda i, _, deadline: step_frame("kv_export", s.epoch, s.step, s.position, deadline),
-                                 check, count=False)
+                                 lambda hop, result, got: (got or []) + checked_kv(hop, result, s.position, n),
+                                 count=False)
 
     async def import_kv(self, session_id: str, position: int, layers: LayerKV) -> int:
         """Load a canonical state (as `export_kv` returns it) into a session just opened; returns `position`.

@@ -1,7 +1,9 @@
-"""`forward_many`: the blocks of many route sessions through the route in one message per hop.
+"""A block of tokens through the route: `forward` (one session, on its own Session streams) and
+`forward_many` (the blocks of many route sessions in one message per hop).
 
-Mixed into `ShardPipeline` (it uses the pipeline's sessions, checks and counters). Each session
-still takes one idempotency step through every hop, exactly as `forward` would send it, and the
+Mixed into `ShardPipeline` (it uses the pipeline's sessions, checks and counters). In
+`forward_many` each session still takes one idempotency step through every hop, exactly as
+`forward` would send it, and the
 worker admits and runs each entry as its session stream's own frame; only the transport is
 shared: one ShardBatchRequest per hop carries every session's frame, so a scheduler iteration
 of N sessions costs a hop one message each way rather than N. The bits cannot change: a worker
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Sequence
 
 import numpy as np
 
@@ -32,8 +34,8 @@ from inference_engine.v1 import shard_runtime_pb2_grpc as pb_grpc
 Request = tuple[str, Sequence[int], bool]  # (session id, tokens, all_logits), as for `forward`
 
 
-class BatchedForward:
-    """`forward_many` of ShardPipeline."""
+class Forwarding:
+    """`forward` and `forward_many` of ShardPipeline."""
 
     if TYPE_CHECKING:  # provided by ShardPipeline
         addresses: tuple[str, ...]
@@ -47,6 +49,9 @@ class BatchedForward:
         def _check_usable(s: RouteSession) -> None: ...
         def _break(self, s: RouteSession, exc: BaseException) -> None: ...
         def _count(self, hop: int, started: float) -> None: ...
+        def _round(self, s: RouteSession, frame: Callable[[int, Any, int], pb.ShardRequestFrame],
+                   check: Callable[[HopStream, pb.ShardStepResult, Any], Any], done: Callable[[], None] = ...,
+                   count: bool = True) -> Awaitable[Any]: ...
 
     _batches: list[BatchStream]
 
@@ -60,6 +65,34 @@ class BatchedForward:
         for b in self._batches:
             b.close()
         self._batches = []
+
+    async def forward(self, session_id: str, tokens: Sequence[int], *, all_logits: bool = True) -> np.ndarray:
+        """Compute `tokens` at the session's next positions through every worker.
+
+        Args:
+            tokens: the block (1..65536 ids, each below vocab_size). One token travels as
+                a compact DecodeStep, more as an ActivationChunk.
+            all_logits: logits for every row (verification), else for the last row only.
+        Returns:
+            (len(tokens), vocab) float32 logits, or (1, vocab); row i predicts the token after tokens[i].
+        Raises:
+            InvalidRequest: bad tokens (nothing is sent).
+            InvariantViolation: the session failed earlier and must be reopened.
+            MalformedShardOutput: a worker answered OK with wrong output (the session fails).
+            any shard error a worker answered with (the session fails).
+        """
+        s = self._session(session_id)
+        block = self._block(tokens)
+
+        def frame(i: int, data: np.ndarray | None, deadline: int) -> pb.ShardRequestFrame:
+            return work_frame(session_id, s.epoch, s.step, s.position, block if i == 0 else None, data, all_logits,
+                              deadline)
+
+        def advance() -> None:
+            s.position += len(block)
+
+        return await self._round(s, frame, lambda hop, result, _: checked_output(hop, result, s.position, len(block),
+                                                                                   all_logits), advance)
 
     async def forward_many(self, requests: Sequence[Request]) -> list[np.ndarray | BaseException]:
         """`forward` of several sessions at once (one message per hop for all of them).
