@@ -99,28 +99,6 @@ def codec_ms(hidden: int, vocab: int, reps: int = 200) -> dict[str, float]:
             "front_per_step_ms": 2 * enc_h + 2 * dec_h + dec_l}
 
 
-async def decode(runtime: Any, prompts: Any, n: int, counters: Any = None) -> tuple[Any, tuple]:
-    """`runtime_decode`, taking `counters()` just before and after the Generate alone (the prompt excluded)."""
-    from benchkit.core import Trace
-
-    from inference_engine.runtime.types import AppendParams, CreateSessionParams, GenerateChunk, GenerateParams
-
-    sid = (await runtime.create_session(CreateSessionParams((), "bench", 0, 0))).session_id
-    await runtime.append_tokens(AppendParams(sid, tuple(prompts.chat)))
-    trace = Trace(time.perf_counter())
-
-    async def emit(chunk: GenerateChunk) -> None:
-        if chunk.tokens:
-            trace.times.append(time.perf_counter())
-            trace.tokens.extend(chunk.tokens)
-
-    before = counters() if counters else None
-    await runtime.generate(GenerateParams(sid, n, ignore_eos=True), emit)
-    after = counters() if counters else None
-    await runtime.close_session(sid)
-    return trace, (before, after)
-
-
 async def empty_rounds(pipeline: Any, tokens: list[int], n: int) -> list[float]:
     """Wall ms of `n` rounds of a 0-token ShardTrim through the three hops (no tensor, no compute)."""
     sid = "relay-probe"
@@ -167,9 +145,10 @@ def main(argv: list[str] | None = None) -> int:
         for runtime in runtimes.values():  # warm-up
             loop.run_until_complete(runtime_decode(runtime, prompts, 8))
         for rep in range(args.reps):
-            single_trace, _ = loop.run_until_complete(decode(runtimes["single_process"], prompts, args.tokens))
-            trace, ((hops0, work0), (hops1, work1)) = loop.run_until_complete(decode(
+            single_trace = loop.run_until_complete(runtime_decode(runtimes["single_process"], prompts, args.tokens))
+            trace = loop.run_until_complete(runtime_decode(
                 runtimes["route"], prompts, args.tokens, lambda: (route.pipeline.hop_stats(), worker_counters(addresses))))
+            (hops0, work0), (hops1, work1) = trace.counters
             same_tokens = same_tokens and trace.tokens == single_trace.tokens
             hop_ms = [1e3 * (a.seconds - b.seconds) / max(1, a.calls - b.calls) for a, b in zip(hops1, hops0)]
             compute = [1e3 * (b[1] - a[1]) / max(1, b[0] - a[0]) for a, b in zip(work0, work1)]

@@ -32,7 +32,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -54,28 +53,6 @@ def start_workers(tree: Path, block: int, sessions: int) -> list[subprocess.Pope
                               "--block", str(block), "--max-sessions", str(2 * sessions)],
                              cwd=tree, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
             for r in PIPELINE_RANGES]
-
-
-async def decode(runtime: Any, prompts: Any, n: int, route: Any) -> tuple[Any, tuple[list, list] | None]:
-    """`runtime_decode`, with the route's hop counters around the Generate alone (prompt excluded)."""
-    from benchkit.core import Trace
-
-    from inference_engine.runtime.types import AppendParams, CreateSessionParams, GenerateChunk, GenerateParams
-
-    sid = (await runtime.create_session(CreateSessionParams((), "bench", 0, 0))).session_id
-    await runtime.append_tokens(AppendParams(sid, tuple(prompts.chat)))
-    trace = Trace(time.perf_counter())
-
-    async def emit(chunk: GenerateChunk) -> None:
-        if chunk.tokens:
-            trace.times.append(time.perf_counter())
-            trace.tokens.extend(chunk.tokens)
-
-    then = route.pipeline.hop_stats() if route is not None else None
-    await runtime.generate(GenerateParams(sid, n, ignore_eos=True), emit)
-    hops = (then, route.pipeline.hop_stats()) if route is not None else None
-    await runtime.close_session(sid)
-    return trace, hops
 
 
 def relay_ms(trace: Any, then: list, now: list) -> float:
@@ -129,10 +106,12 @@ def main(argv: list[str] | None = None) -> int:
         relay: dict[str, list[float]] = {name: [] for name in routes}  # per decode rep: step ms minus the hops' ms
         for rep in range(args.reps):
             for name, runtime in runtimes.items():
-                trace, hops = loop.run_until_complete(decode(runtime, prompts, args.tokens, routes.get(name)))
+                route = routes.get(name)
+                trace = loop.run_until_complete(runtime_decode(runtime, prompts, args.tokens,
+                                                               route.pipeline.hop_stats if route else None))
                 traces[name].append(trace)
-                if hops is not None:
-                    relay[name].append(relay_ms(trace, *hops))
+                if trace.counters:
+                    relay[name].append(relay_ms(trace, *trace.counters))
             for name, runtime in runtimes.items():
                 many[name].append(loop.run_until_complete(
                     runtime_sessions_at_once(runtime, prompts, args.sessions, args.tokens)))

@@ -66,6 +66,7 @@ class Trace:
     start: float  # perf_counter when the prompt was sent
     times: list[float] = field(default_factory=list)  # arrival time of each generated token
     tokens: list[int] = field(default_factory=list)  # the generated tokens
+    counters: tuple = ()  # (before, after) of the caller's counters around the Generate alone, if asked
 
     @property
     def ttft_ms(self) -> float:

@@ -12,7 +12,7 @@ import time
 from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from benchkit.core import ROOT, Contender, Plan, Prompts, Trace, summary
 from inference_engine.readiness import wait_ready
@@ -153,8 +153,12 @@ def measure_append_latency(server: ServerProcess, plan: Plan, prompts: Prompts) 
 # ---------------------------------------------------------------------------- in-process runtime
 
 
-async def runtime_decode(runtime: Any, prompts: Prompts, n: int) -> Trace:
-    """One greedy decode repetition on a Runtime driven directly: fresh session, chat prompt, n tokens."""
+async def runtime_decode(runtime: Any, prompts: Prompts, n: int, counters: Callable[[], Any] | None = None) -> Trace:
+    """One greedy decode repetition on a Runtime driven directly: fresh session, chat prompt, n tokens.
+
+    Args:
+        counters: read just before and after the Generate alone (the prompt excluded), into `Trace.counters`.
+    """
     from inference_engine.runtime.types import AppendParams, CreateSessionParams, GenerateChunk, GenerateParams
 
     sid = (await runtime.create_session(CreateSessionParams((), "bench", 0, 0))).session_id
@@ -166,7 +170,10 @@ async def runtime_decode(runtime: Any, prompts: Prompts, n: int) -> Trace:
             trace.tokens.extend(chunk.tokens)
 
     await runtime.append_tokens(AppendParams(sid, tuple(prompts.chat)))
+    before = counters() if counters else None
     await runtime.generate(GenerateParams(sid, n, ignore_eos=True), emit)
+    if counters:
+        trace.counters = (before, counters())
     await runtime.close_session(sid)
     return trace
 
