@@ -36,7 +36,9 @@
  * prefetch the next tile's weight rows as they go. On AVX-512 CPUs every call holds two columns'
  * 8-lane accumulators in one 512-bit register (run_q_avx512): 1..12 rows in register tiles, more
  * rows in 8 x 4 tiles over 4 weight rows dequantized into L1 as column pairs; the same operations
- * per element, half the instructions. fp32 calls of more than 32 rows run those tiles too, over 4
+ * per element, half the instructions. The other block types take those 8 x 4 tiles for 2 rows and
+ * more (dequantize_kpairs: exact_kqtiles.h's dequantization), and one row of Q5_0, Q4_K or Q6_K
+ * (Gemma-3's Q4_K_M linears) dequantizes two weight rows per 512-bit register (kq_tile_1_avx512). fp32 calls of more than 32 rows run those tiles too, over 4
  * weight rows copied into the same layout (run_nt_avx512).
  */
 #define _GNU_SOURCE
@@ -358,6 +360,148 @@ Q512 static void dequantize_pairs_avx512(const struct job *j, int n0, float *out
         dequantize_pairs(j, n0, out, GGML_Q8_0);
 }
 
+/* One row on AVX-512 for Q5_0, Q4_K and Q6_K (Gemma-3's Q4_K_M linears): exact_kqtiles.h's
+ * QV(kq_block) for two weight rows at once, row r0's 8 weights in lanes 0..7 and r1's in 8..15,
+ * every lane the same integer steps and the same IEEE multiplies and subtractions (d * sc, then
+ * (d * sc) * q - dmin * mn, or d * float(q - 16)) as the 8-lane code, so the same weights. */
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+Q512 static inline v16i widen_u8_pair(const uint8_t *p, const uint8_t *q) { return (v16i)widen_pair(p, q, 0); }
+
+Q512 static inline v16 halves_pair(const uint8_t *p0, const uint8_t *p1, v16 *second) {
+    v8 a0, b0, a1, b1;
+    halves_f16c(p0, &a0, &b0);
+    halves_f16c(p1, &a1, &b1);
+    *second = pair8(b0, b1);
+    return pair8(a0, a1);
+}
+
+Q512 static inline v16 splat_pair(float lo, float hi) {
+    return (v16){lo, lo, lo, lo, lo, lo, lo, lo, hi, hi, hi, hi, hi, hi, hi, hi};
+}
+
+Q512 static inline __attribute__((always_inline)) void kq_pair_block(int fmt, const uint8_t *r0, const uint8_t *r1,
+                                                                       int b, v16 w[4]) {
+    const v16i lanes = {0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7};
+    if (fmt == GGML_TYPE_Q5_0) { /* d, 32 high bits, 16 bytes of nibbles */
+        const uint8_t *p0 = r0 + (size_t)22 * b, *p1 = r1 + (size_t)22 * b;
+        v16 unused, d = halves_pair(p0, p1, &unused);
+        uint32_t h0, h1;
+        memcpy(&h0, p0 + 2, sizeof h0);
+        memcpy(&h1, p1 + 2, sizeof h1);
+        v16i qh = {(int32_t)h0, (int32_t)h0, (int32_t)h0, (int32_t)h0, (int32_t)h0, (int32_t)h0, (int32_t)h0,
+                   (int32_t)h0, (int32_t)h1, (int32_t)h1, (int32_t)h1, (int32_t)h1, (int32_t)h1, (int32_t)h1,
+                   (int32_t)h1, (int32_t)h1};
+        v16i lo = widen_u8_pair(p0 + 6, p1 + 6), hi = widen_u8_pair(p0 + 14, p1 + 14);
+        v16i q[4] = {lo & 15, hi & 15, lo >> 4, hi >> 4};
+        for (int g = 0; g < 4; ++g) {
+            v16i v = q[g] | ((v16i)_mm512_srlv_epi32((__m512i)qh, (__m512i)(lanes + 8 * g)) & 1) << 4;
+            w[g] = d * __builtin_convertvector(v - 16, v16); /* scaled_group */
+        }
+        return;
+    }
+    if (fmt == GGML_TYPE_Q4_K) { /* sub-block j of super-block b / 8 */
+        int j = b & 7, sc0, mn0, sc1, mn1;
+        const uint8_t *p0 = r0 + (size_t)144 * (b >> 3), *p1 = r1 + (size_t)144 * (b >> 3);
+        const size_t qs = 16 + 32 * (j >> 1);
+        k_scale_min(p0 + 4, j, &sc0, &mn0);
+        k_scale_min(p1 + 4, j, &sc1, &mn1);
+        v16 dmin, d = halves_pair(p0, p1, &dmin);
+        v16 dd = d * splat_pair((float)sc0, (float)sc1), dm = dmin * splat_pair((float)mn0, (float)mn1);
+        for (int g = 0; g < 4; ++g) {
+            v16i q = widen_u8_pair(p0 + qs + 8 * g, p1 + qs + 8 * g) >> (4 * (j & 1)) & 15;
+            w[g] = dd * __builtin_convertvector(q, v16) - dm; /* kmin_group */
+        }
+        return;
+    }
+    /* GGML_TYPE_Q6_K: sub-block j = 4h + r of super-block b / 8 */
+    int j = b & 7, h = j >> 2, r = j & 3;
+    const uint8_t *p0 = r0 + (size_t)210 * (b >> 3), *p1 = r1 + (size_t)210 * (b >> 3);
+    const size_t ql = 64 * h + 32 * (r & 1), qh = 128 + 32 * h;
+    const int8_t *s0 = (const int8_t *)(p0 + 192) + 2 * j, *s1 = (const int8_t *)(p1 + 192) + 2 * j;
+    v16 d, unused = halves_pair(p0 + 206, p1 + 206, &d); /* d is the block's last two bytes */
+    (void)unused;
+    v16 dl[2] = {d * splat_pair((float)s0[0], (float)s1[0]), d * splat_pair((float)s0[1], (float)s1[1])};
+    for (int g = 0; g < 4; ++g) {
+        v16i q = (widen_u8_pair(p0 + ql + 8 * g, p1 + ql + 8 * g) >> (4 * (r >> 1)) & 15) |
+                 (widen_u8_pair(p0 + qh + 8 * g, p1 + qh + 8 * g) >> (2 * r) & 3) << 4;
+        w[g] = dl[g >> 1] * __builtin_convertvector(q - 32, v16); /* scaled_group */
+    }
+}
+
+/* One row of A x 4 weight rows from n0 (two column pairs), full K: kq_tile_1's operations for each
+ * column (lane j: k = 32b + 8g + j increasing, fma_step, then hsum8), two columns per instruction;
+ * the next tile's rows are prefetched at the pace this one is read. */
+Q512 static inline __attribute__((always_inline)) void kq_tile_1_avx512(const struct job *j, int n0, int fmt) {
+    const int blocks = j->k / 32;
+    const uint8_t *w = j->q + (size_t)n0 * j->ldq;
+    const size_t sweep = 4 * j->ldq / (size_t)blocks + 1; /* bytes of the next tile per sub-block */
+    v16 acc[2] = {{0}, {0}};
+    for (int b = 0; b < blocks; ++b) {
+        const uint8_t *next = w + 4 * j->ldq + (size_t)b * sweep;
+        __builtin_prefetch(next);
+        __builtin_prefetch(next + 64);
+        const float *a = j->a + 32 * b;
+        for (int p = 0; p < 2; ++p) {
+            v16 wv[4];
+            kq_pair_block(fmt, w + (size_t)(2 * p) * j->ldq, w + (size_t)(2 * p + 1) * j->ldq, b, wv);
+            for (int g = 0; g < 4; ++g)
+                acc[p] = (v16)_mm512_fmadd_ps((__m512)dup8(a + 8 * g), (__m512)wv[g], (__m512)acc[p]);
+        }
+    }
+    for (int p = 0; p < 2; ++p) {
+        v8 lo, hi;
+        memcpy(&lo, &acc[p], sizeof lo);
+        memcpy(&hi, (const float *)&acc[p] + 8, sizeof hi);
+        j->c[n0 + 2 * p] = hsum8(lo);
+        j->c[n0 + 2 * p + 1] = hsum8(hi);
+    }
+}
+
+/* Columns from n in tiles of 4 while 4 are left; returns the first column not computed. */
+Q512 static int kq_row_columns_avx512(const struct job *j, int n, int n1) {
+    switch (j->fmt) {
+    case GGML_TYPE_Q5_0: for (; n + 4 <= n1; n += 4) kq_tile_1_avx512(j, n, GGML_TYPE_Q5_0); break;
+    case GGML_TYPE_Q4_K: for (; n + 4 <= n1; n += 4) kq_tile_1_avx512(j, n, GGML_TYPE_Q4_K); break;
+    case GGML_TYPE_Q6_K: for (; n + 4 <= n1; n += 4) kq_tile_1_avx512(j, n, GGML_TYPE_Q6_K); break;
+    default: break; /* the others: AVX2's kq_tile_1 */
+    }
+    return n;
+}
+
+/* dequantize_pairs for the other types: each row's 32-weight groups as exact_kqtiles.h's
+ * QV(kq_block) gives them to its fp32 tiles (gguf-py's roundings), in the same pair layout. */
+Q512 static inline __attribute__((always_inline)) void dequantize_kpairs(const struct job *j, int n0, float *out,
+                                                                           int fmt) {
+    const int blocks = j->k / 32;
+    for (int p = 0; p < 2; ++p) {
+        const uint8_t *row = j->q + (size_t)(n0 + 2 * p) * j->ldq;
+        for (int b = 0; b < blocks; ++b) {
+            v8 w0[4], w1[4];
+            kq_block_avx2(fmt, row, b, w0);
+            kq_block_avx2(fmt, row + j->ldq, b, w1);
+            float *o = out + ((size_t)p * blocks * 4 + (size_t)b * 4) * 16;
+            for (int g = 0; g < 4; ++g) {
+                memcpy(o + 16 * g, &w0[g], sizeof w0[g]);
+                memcpy(o + 16 * g + 8, &w1[g], sizeof w1[g]);
+            }
+        }
+    }
+}
+
+Q512 static void dequantize_kpairs_avx512(const struct job *j, int n0, float *out) {
+    switch (j->fmt) {
+    case GGML_TYPE_F16: dequantize_kpairs(j, n0, out, GGML_TYPE_F16); break;
+    case GGML_TYPE_BF16: dequantize_kpairs(j, n0, out, GGML_TYPE_BF16); break;
+    case GGML_TYPE_Q4_0: dequantize_kpairs(j, n0, out, GGML_TYPE_Q4_0); break;
+    case GGML_TYPE_Q5_0: dequantize_kpairs(j, n0, out, GGML_TYPE_Q5_0); break;
+    case GGML_TYPE_Q5_1: dequantize_kpairs(j, n0, out, GGML_TYPE_Q5_1); break;
+    case GGML_TYPE_Q4_K: dequantize_kpairs(j, n0, out, GGML_TYPE_Q4_K); break;
+    case GGML_TYPE_Q5_K: dequantize_kpairs(j, n0, out, GGML_TYPE_Q5_K); break;
+    default: dequantize_kpairs(j, n0, out, GGML_TYPE_Q6_K); break;
+    }
+}
+
 /* Columns from n in groups of 4 while 4 are left: `fill` puts 4 weight rows into L1 as column pairs
  * (dequantize_pairs' layout), then every 8-row group of A runs ptile over them. Returns the first
  * column not computed. */
@@ -400,8 +544,13 @@ Q512 static void run_nt_avx512(const struct job *j, int n0, int n1) {
 
 Q512 static void run_q_avx512(const struct job *j, int n0, int n1) {
     int n = n0;
-    if (j->fmt != GGML_Q4_1 && j->fmt != GGML_Q8_0) { /* the other types: AVX2's loops (exact_kqtiles.h) */
-        run_q_avx2(j, n0, n1);
+    if (j->fmt != GGML_Q4_1 && j->fmt != GGML_Q8_0) { /* the other types (exact_kqtiles.h's dequantization) */
+        if (j->m > 1) /* 4 weight rows dequantized once into L1 as column pairs, then every 8-row group */
+            n = pair_columns(j, n, n1, dequantize_kpairs_avx512);
+        else /* one row: two columns per instruction, dequantized in registers (Q5_0, Q4_K, Q6_K) */
+            n = kq_row_columns_avx512(j, n, n1);
+        if (n < n1)
+            run_q_avx2(j, n, n1); /* one row (registers, AVX2's kq_tile_1), or the last columns */
         return;
     }
     if (j->m <= 12) /* decode, batched decode, verification: row groups of up to 8 */
