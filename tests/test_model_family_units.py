@@ -79,3 +79,34 @@ def test_a_logit_soft_cap_bounds_the_logits(monkeypatch):
     capped = logits()
     assert np.abs(capped).max() <= 2.0 < np.abs(plain).max()
     np.testing.assert_allclose(capped, np.tanh(plain / 2.0) * 2.0, rtol=1e-5, atol=1e-5)
+
+
+def test_a_bf16_folder_is_served_as_its_exact_fp32_widening(tmp_path, caplog):
+    """A bf16 mlx-lm folder (as most are published) loads as fp32 and serves exactly: the logits of the fp32
+    folder of the same weights, bit for bit (the native block takes fp32 only)."""
+    from mlx.utils import tree_flatten
+
+    from inference_engine.model.loader import load_model
+    from inference_engine.runtime.engine import Engine
+    from tests.exactness import feed
+    from tests.family_models import save_family_model
+
+    bf16, fp32 = save_family_model("llama", tmp_path / "bf16"), save_family_model("llama", tmp_path / "fp32")
+    stored = {k: v.astype(mx.bfloat16) for k, v in mx.load(str(bf16 / "model.safetensors")).items()}
+    mx.save_safetensors(str(bf16 / "model.safetensors"), stored)
+    mx.save_safetensors(str(fp32 / "model.safetensors"), {k: v.astype(mx.float32) for k, v in stored.items()})
+    with caplog.at_level("INFO", logger="inference_engine"):
+        loaded = load_model(bf16)
+    params = dict(tree_flatten(loaded.model.parameters()))
+    assert {v.dtype for v in params.values()} == {mx.float32}
+    assert all(mx.array_equal(params[k], v.astype(mx.float32)).item() for k, v in stored.items())
+    assert "bf16: bfloat16 weights served as fp32 (widened exactly" in caplog.text
+    tokens = list(range(2, 30))
+    logits = []
+    for model in (loaded, load_model(fp32)):
+        engine = Engine(model, exact=True, max_tile=16, plain_block=64, max_rollback=8)
+        try:
+            logits.append(np.array(feed(engine, tokens, [11, 17], 2, 12).next_token_logits).tobytes())
+        finally:
+            engine.close()
+    assert logits[0] == logits[1]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,8 @@ import numpy as np
 
 from inference_engine.model.families import family_of, family_of_model, supported_types
 from inference_engine.model.gguf_blocks import QMatmul, load_gguf_blocks
+
+log = logging.getLogger(__name__)
 
 SUPPORTED_TYPES = supported_types()  # the mlx-lm architectures we run (model/families/)
 
@@ -155,8 +158,26 @@ def load_weights(path: Path, lazy: bool = True) -> tuple[nn.Module, dict[str, An
         raise FileNotFoundError(f"{path} is not an mlx-lm model folder (no config.json)")
     family_of(json.loads((path / "config.json").read_text()).get("model_type"))
     model, config = mlx_lm_load_model(path, lazy=lazy)
+    if "quantization" not in config:
+        widen_half_weights(model, path.name)
     materialize_private_arrays(model)
     return model, config
+
+
+def widen_half_weights(model: nn.Module, name: str) -> None:
+    """bf16 / fp16 parameters of an unquantized folder as fp32, in place (lazily: a shard worker still reads
+    only its layers). Exact: every bf16 and fp16 value is an fp32 one. The exact kernels and the native
+    block compute in fp32; the model served is then the fp32 model of the stored weights (twice their memory).
+    """
+    from mlx.utils import tree_flatten, tree_map
+
+    halves = {str(v.dtype) for _, v in tree_flatten(model.parameters()) if v.dtype in (mx.bfloat16, mx.float16)}
+    if not halves:
+        return
+    model.update(tree_map(lambda v: v.astype(mx.float32) if v.dtype in (mx.bfloat16, mx.float16) else v,
+                          model.parameters()))
+    log.info("%s: %s weights served as fp32 (widened exactly; the exact kernels compute in fp32)", name,
+             "/".join(sorted(h.removeprefix("mlx.core.") for h in halves)))
 
 
 def model_fingerprint(model: nn.Module) -> str:
