@@ -181,7 +181,8 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
 def add_weights_flag(parser: argparse.ArgumentParser, default: str) -> None:
     """--weights fp32|q4_1 (server and shard worker alike)."""
     parser.add_argument("--weights", choices=("q4_1", "fp32"), default=default,
-                        help="q4_1: stream the GGUF's own blocks (the packaged SmolLM2's Q4_1/Q8_0, or a .gguf "
+                        help="q4_1 (the first type it served; the name stays): stream the GGUF's own blocks, whatever "
+                        "their types (the packaged SmolLM2's Q4_1/Q8_0, Gemma-3-270M's Q4_K/Q5_0/Q6_K/Q8_0, a .gguf "
                         "model's of any served type) through the exact block kernels (bitwise the fp32 logits; fp32 "
                         "is served, and logged, where the kernel is unavailable); fp32: the converted or dequantized "
                         "fp32 weights")

@@ -104,7 +104,7 @@ def extension_path(cache_dir: Path | None = None) -> Path | str:
     cxx = shutil.which(os.environ.get("CXX", "c++"))
     if cxx is None:
         return f"no C++ compiler ({os.environ.get('CXX', 'c++')}; apt-get install g++, or set $CXX)"
-    log.info("building the q4_1 kernel extension into %s (first use; about a minute)", target.parent)
+    log.info("building the exact kernel extension into %s (first use; about a minute)", target.parent)
     work = target.parent.with_name(f"{target.parent.name}.{os.getpid()}.partial")
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)

@@ -69,7 +69,7 @@ def load_served_model(model: str, weights: str, cache_dir: Path) -> ServedModel:
     if weights == "q4_1" and not note:
         return ServedModel(load_q4_1_model(model, cache_dir), "q4_1", "")
     if note:
-        log.warning("DEGRADED: serving fp32 weights, not q4_1 (same bits, about 5x the memory read per token, "
+        log.warning("DEGRADED: serving fp32 weights, not the GGUF's blocks (same bits, about 5x the memory read per token, "
                     "slower): %s", note)
     path = resolve_model_path(model, cache_dir)
     if is_gguf_file(path):

@@ -292,7 +292,7 @@ def test_build_engine_serves_q4_1_and_shares_the_packaged_draft(served_tiny, cap
     try:
         assert calls == ["q4_1"] and engine.loaded is blocks and server.engine_weights(engine) == "q4_1"
         assert engine.draft is blocks  # the packaged draft: the target's own blocks
-        assert "weights: q4_1" in caplog.text
+        assert "weights: the GGUF's blocks as stored (GGUF Q4_1/Q8_0; --weights q4_1)" in caplog.text
     finally:
         engine.close()
 
@@ -311,7 +311,7 @@ def test_build_engine_falls_back_to_fp32_when_the_kernel_differs(served_tiny, ca
         down.qmatmul = kernel.qmatmul
     try:
         assert calls == ["q4_1", "fp32"] and server.engine_weights(engine) == "fp32"
-        assert "the q4_1 kernel differs from the fp32 kernel (128->64 Q4_1: M=" in caplog.text
+        assert "the GGUF block kernel differs from the fp32 kernel (128->64 Q4_1: M=" in caplog.text
     finally:
         engine.close()
 

@@ -113,7 +113,7 @@ def test_wheel_serves_q4_1_exact_and_a_client_only_install_chats_over_tls(tmp_pa
         target = line.split()[-1]
         stub = pb_grpc.RuntimeServiceStub(open_sync_channel(target, ClientSecurity(ca_file=pki.ca, token=TOKEN_A)))
         info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=60)
-        assert (info.model_name, info.exact, info.block_size) == ("smollm2-135m (q4_1)", True, ServerConfig().max_tile)
+        assert (info.model_name, info.exact, info.block_size) == ("smollm2-135m (GGUF Q4_1/Q8_0)", True, ServerConfig().max_tile)
         assert "exact-gemm kernel" in info.kernels, info.kernels
 
         chat = subprocess.run(
@@ -122,7 +122,7 @@ def test_wheel_serves_q4_1_exact_and_a_client_only_install_chats_over_tls(tmp_pa
             input="What is the capital of France?\n/quit\n", cwd=cwd, env=_env(), capture_output=True, text=True,
             timeout=300)
         assert chat.returncode == 0 and "Paris" in chat.stdout, chat.stderr
-        assert f"connected to {target}: smollm2-135m (q4_1), exact at block {info.block_size}, exact-gemm kernel" \
+        assert f"connected to {target}: smollm2-135m (GGUF Q4_1/Q8_0), exact at block {info.block_size}, exact-gemm kernel" \
             in chat.stderr
         times["chat from the client-only venv"] = time.monotonic() - start
     finally:

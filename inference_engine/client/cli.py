@@ -196,7 +196,7 @@ def run_generate(args: argparse.Namespace, client: RuntimeClient, out: TextIO, e
 
 
 def serving(info: pb.GetModelInfoResponse) -> str:
-    """What the server computes with, short: "smollm2-135m (q4_1), exact at block 64, exact-gemm kernel 3"."""
+    """What the server computes with, short: "smollm2-135m (GGUF Q4_1/Q8_0), exact at block 64, exact-gemm kernel 3"."""
     kernels = info.kernels
     if kernels.startswith("exact-gemm"):  # "exact-gemm kernel 3 (details) on MLX's CPU stream"
         kernels = kernels.split(" (")[0]

@@ -16,7 +16,7 @@ from inference_engine.text.codec import TextCodec
 class ModelInfo:
     """The served model and what a session may ask of it."""
 
-    model_name: str  # the model folder's name (packaged: its name and the weights served, e.g. "(q4_1)")
+    model_name: str  # the model folder's name (packaged: its name and the weights served, e.g. "(GGUF Q4_1/Q8_0)")
     vocab_size: int  # token ids are below it
     eos_token_ids: tuple[int, ...]  # the model's EOS ids (a session's default)
     bos_token_id: int | None  # the tokenizer's BOS id, if any
@@ -43,8 +43,14 @@ class ModelInfo:
 
 
 def engine_weights(engine: Engine) -> str:
-    """What the engine's target computes with: "q4_1" (GGUF blocks) or "fp32"."""
+    """What the engine's target computes with: "q4_1" (`--weights q4_1`: the GGUF's blocks, whatever their
+    types) or "fp32"."""
     return "q4_1" if has_blocks(engine.loaded.model) else "fp32"
+
+
+def blocks_label(formats: tuple[str, ...]) -> str:
+    """The GGUF block types a model is served from, for people: "GGUF Q4_K/Q5_0/Q6_K/Q8_0" (F32 norms left out)."""
+    return "GGUF " + "/".join(f for f in formats if f != "F32")
 
 
 def serving_label(info: ModelInfo) -> str:
@@ -60,7 +66,8 @@ def describe_model(engine: Engine, cfg: ServerConfig, codec: TextCodec | None) -
     spec = engine.spec
     name = spec.name  # the model folder's name; packaged models live in <cache>/<name>/{fp32,q4}
     if cfg.model.startswith("packaged:") and name in ("fp32", "q4"):
-        form = "q4_1" if engine_weights(engine) == "q4_1" else name  # q4_1 blocks are loaded via the fp32 folder
+        # the blocks are loaded via the fp32 folder: name them by their block types, not the folder
+        form = blocks_label(spec.weight_formats) if engine_weights(engine) == "q4_1" else name
         name = f"{cfg.model.removeprefix('packaged:')} ({form})"
     return ModelInfo(
         model_name=name, vocab_size=spec.vocab_size, eos_token_ids=spec.eos_token_ids,

@@ -25,7 +25,7 @@ from inference_engine.config import ServerConfig
 from inference_engine.errors import RuntimeServiceError
 from inference_engine.gc_freeze import freeze_startup_objects
 from inference_engine.model.gguf_blocks import has_blocks
-from inference_engine.server.model_info import engine_weights, serving_label
+from inference_engine.server.model_info import blocks_label, engine_weights, serving_label
 from inference_engine.model.loader import LoadedModel, load_model, model_fingerprint
 from inference_engine.model.packaged import DRAFT_MODEL, resolve_model_path
 from inference_engine.process_exit import exit_now, stop_event, wait_for_stop_signal
@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 def build_engine(cfg: ServerConfig, loaded: LoadedModel | None = None) -> Engine:
     """Load the configured model (unless given) from `cfg.weights` and probe its exact tile.
 
-    A q4_1 model whose kernel the probe finds unequal to the fp32 kernel is replaced by the
+    A model served from GGUF blocks (`--weights q4_1`) whose kernel the probe finds unequal to the fp32 kernel is replaced by the
     fp32 model (logged as an error): the weights never change the bits.
     """
     use_cpu_stream(cfg.exact)  # macOS: exact on MLX's CPU stream, plain on Metal
@@ -77,11 +77,12 @@ def build_engine(cfg: ServerConfig, loaded: LoadedModel | None = None) -> Engine
     engine = engine_for(loaded or served.loaded)
     mismatches = engine.probe.mismatches if engine.probe is not None else fp32_mismatches(engine.loaded.model)
     if mismatches:
-        log.error("the q4_1 kernel differs from the fp32 kernel (%s); serving fp32 weights", "; ".join(mismatches))
+        log.error("the GGUF block kernel differs from the fp32 kernel (%s); serving fp32 weights", "; ".join(mismatches))
         engine.close()
         engine = engine_for(load_served_model(cfg.model, "fp32", cfg.cache_dir).loaded)
     elif served is not None and served.weights == "q4_1":
-        log.info("weights: q4_1 (the GGUF's blocks; the probe found them bitwise equal to the fp32 kernel)")
+        log.info("weights: the GGUF's blocks as stored (%s; --weights q4_1), the probe found them bitwise equal to "
+                 "the fp32 kernel", blocks_label(served.loaded.spec.weight_formats))
     if engine.is_exact and engine.block == 1:
         log.warning("DEGRADED: exact at block size 1, one token per forward (slow prefill): %s is not row-invariant "
                     "beyond one row. The exact-gemm kernel is: install a C and C++ compiler (apt-get install g++; "

@@ -112,7 +112,7 @@ def start_server(plan: Plan, prompts: Prompts, stack: ExitStack, weights: str = 
     log = server.log()  # start-up lines come before "listening on"
     blas, mode = re.search(r"BLAS in use: (.*)", log), re.search(r"(exact|plain) mode: block size (\d+)", log)
     extra = {"blas": blas[1] if blas else "unknown", "mode": f"{mode[1]}, block size {mode[2]}" if mode else "unknown",
-             "weights": "q4_1" if "weights: q4_1" in log else "fp32"}  # what it serves, as it logged
+             "weights": "q4_1" if "weights: the GGUF's blocks" in log else "fp32"}  # what it serves, as it logged
     return server, Contender(lambda n: server.decode(prompts.chat, n),
                              lambda: server.prefill(prompts.text(plan.prefill_tokens)), extra)
 

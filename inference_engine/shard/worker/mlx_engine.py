@@ -124,7 +124,7 @@ class MlxShardEngine(ShardEngine):
         elif has_blocks(model):
             mismatches = fp32_mismatches(model)  # q4_1 weights: bitwise the fp32 kernel, or refuse to serve
         if mismatches:
-            raise InvariantViolation(f"the q4_1 kernel differs from the fp32 kernel ({'; '.join(mismatches)}); "
+            raise InvariantViolation(f"the GGUF block kernel differs from the fp32 kernel ({'; '.join(mismatches)}); "
                                      "serve this worker with --weights fp32")
         act_dtype = inner.embed_tokens(mx.array([[0]], dtype=mx.int32)).dtype
         if act_dtype not in _NUMPY_DTYPE:

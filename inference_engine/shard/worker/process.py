@@ -42,7 +42,7 @@ def build_engine(cfg: ShardWorkerConfig) -> ShardEngine:
     elif cfg.weights == "q4_1":
         why_not = q4_1_unavailable(cfg.model, cfg.cache_dir)
         if why_not:
-            log.warning("DEGRADED: serving fp32 weights, not q4_1 (same bits, slower): %s", why_not)
+            log.warning("DEGRADED: serving fp32 weights, not the GGUF's blocks (same bits, slower): %s", why_not)
         else:
             source, weights = load_q4_1_model(cfg.model, cfg.cache_dir).model, "q4_1"
     log.info("loading layers %s of %s (%s)", cfg.layers, path, weights)
