@@ -291,3 +291,38 @@ async def test_bad_constraints_are_invalid_argument_and_leave_the_session_intact
             assert (after.history_length, after.state_digest) == (info.history_length, info.state_digest)
         msgs = await _generate(stub, sid, 8, pb.Constraint(regex="[a-z]+"))
         assert re.fullmatch("[a-z]+", "".join(m.text for m in msgs))
+
+
+async def test_masks_are_computed_beside_the_forward_and_are_the_same_bits(real_engine, monkeypatch):
+    """Every mask but a call's first comes from the prefetch run while the block is forwarded (drafts
+    accepted or not, a stop string's cut), and the stream is the one computed with every mask on demand."""
+    from inference_engine.runtime.jobs import GenerateJob
+    from inference_engine.text.constraint import TokenMatcher
+
+    counts = {"computed": 0, "prefetched": 0}
+    compute, prefetch = TokenMatcher._compute, TokenMatcher.prefetch
+
+    def counted_compute(self):
+        counts["computed"] += 1
+        return compute(self)
+
+    def counted_prefetch(self, tokens):
+        prefetch(self, tokens)
+        counts["prefetched"] += len(self._masks)
+
+    monkeypatch.setattr(TokenMatcher, "_compute", counted_compute)
+    monkeypatch.setattr(TokenMatcher, "prefetch", counted_prefetch)
+    constraint = pb.Constraint(regex=r"[a-z]{1,6}(, [a-z]{1,6}){0,6}")
+    lookup = dict(mode=pb.DECODE_MODE_SPECULATIVE_LOOKUP, num_draft_tokens=4)
+    async with running_server(real_engine) as (stub, _):
+        base = await _session(stub, "List some colors, separated by commas.")
+        runs = {}
+        for label, kw in (("greedy", {}), ("lookup", lookup), ("seeded", SEEDED), ("cut", dict(stop=[","], **lookup))):
+            counts.update(computed=0, prefetched=0)
+            runs[label] = await _forked_bursts(stub, base, 48, 48, constraint, **kw)
+            assert counts["computed"] - counts["prefetched"] == 1, (label, counts)  # the call's first mask alone
+        monkeypatch.setattr(GenerateJob, "overlap", lambda self: None)  # every mask on demand
+        for label, kw in (("greedy", {}), ("lookup", lookup), ("seeded", SEEDED), ("cut", dict(stop=[","], **lookup))):
+            counts.update(computed=0, prefetched=0)
+            assert await _forked_bursts(stub, base, 48, 48, constraint, **kw) == runs[label], label
+            assert counts["prefetched"] == 0 and counts["computed"] >= len(runs[label][0])

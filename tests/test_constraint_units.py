@@ -83,3 +83,53 @@ def test_a_run_continues_only_while_the_tokens_since_match(compiler, codec):
 def test_no_tokenizer_is_feature_unavailable():
     with pytest.raises(FeatureUnavailable, match="constrained output needs one"):
         ConstraintCompiler(None, 256, [2]).matcher(Constraint("regex", "a"))
+
+
+def test_prefetched_masks_are_the_masks_computed_on_demand(compiler, codec):
+    """`prefetch` computes the masks after each token of a block ahead of need: along that block `allowed`
+    answers from them (the same object each time) with the bits a fresh matcher computes; off it, afresh."""
+    c = Constraint("json_schema", json.dumps({"type": "object", "properties": {"n": {"type": "integer"}, "s": {
+        "type": "string", "maxLength": 8}}, "required": ["n", "s"], "additionalProperties": False}))
+    text = codec.encode('{"n":12,"s":"ab"}')
+    m, fresh = compiler.matcher(c), lambda k: compiler.matcher(c, text[:k]).allowed()
+    first = m.allowed()
+    m.prefetch(text[:4])
+    assert np.array_equal(m.allowed(), first)  # the matcher is where it was (nothing consumed)
+    for k in range(1, 5):
+        m.consume(text[k - 1])
+        mask = m.allowed()
+        assert mask is m.allowed() and not mask.flags.writeable  # from the prefetch
+        assert np.array_equal(mask, fresh(k)), k
+    m.rollback(2)  # back along the block: its masks still answer
+    assert m.allowed() is m.allowed() and np.array_equal(m.allowed(), fresh(2))
+    m.consume(text[2])
+    assert np.array_equal(m.allowed(), fresh(3))
+    m.rollback(3)  # before the block: afresh
+    assert m.allowed() is not m.allowed() and np.array_equal(m.allowed(), first)
+    k = next(k for k in range(len(text)) if fresh(k).sum() > 1)  # a choice: the block's token or another
+    for t in text[:k]:
+        m.consume(t)
+    m.prefetch(text[k:k + 2])
+    choices = np.flatnonzero(fresh(k))
+    other = int(choices[choices != text[k]][0])
+    m.consume(other)  # leaves the block: afresh from here on, even back on it
+    assert m.allowed() is not m.allowed() and np.array_equal(m.allowed(), compiler.matcher(c, [*text[:k], other]).allowed())
+    m.rollback(1)
+    assert m.allowed() is not m.allowed() and np.array_equal(m.allowed(), fresh(k))
+    m.consume(text[k])
+    assert m.allowed() is not m.allowed() and np.array_equal(m.allowed(), fresh(k + 1))
+
+
+def test_a_prefetch_stops_before_a_refused_token_and_at_a_completed_output(compiler, codec):
+    m = compiler.matcher(Constraint("regex", "(yes|no)"))
+    yes, maybe = codec.encode("yes"), codec.encode("maybe")
+    m.prefetch(maybe)  # refused at once: nothing prefetched, nothing consumed
+    assert not m.is_complete and m.valid_prefix(yes) == len(yes)
+    m.prefetch(yes)  # the last token completes the output: no mask after it
+    for t in yes[:-1]:
+        m.consume(t)
+        assert m.allowed() is m.allowed()
+    m.consume(yes[-1])
+    assert m.is_complete
+    m.rollback(len(yes))
+    assert not m.is_complete and m.valid_prefix(yes) == len(yes)

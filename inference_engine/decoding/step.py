@@ -13,7 +13,10 @@ the masked draw after the block's tokens before it; drafts the constraint refuse
 proposed. Speculative constrained output therefore equals plain constrained output too.
 
 A step is planned (`plan_step`), forwarded (batched with other sessions' blocks by the
-scheduler) and finished (`finish_step`).
+scheduler) and finished (`finish_step`). While the forward computes, `prefetch_masks` computes the
+masks finish_step and the next plan_step will read (after g0, after each draft): a mask depends
+only on the tokens before it, all known once the block is planned, so the bits are the same and
+only the logits' masking and the draws remain on the critical path.
 """
 
 from __future__ import annotations
@@ -103,6 +106,11 @@ def finish_step(session: Session, plan: StepPlan, logits: mx.array, stop_ids: fr
         rows = [plan.prior_logits, *(logits[i] for i in range(n - 1))]
         logprobs = tuple(token_logprobs(row, t, options.top_logprobs) for row, t in zip(rows, block[:n]))
     return StepResult(block[:n], plan.drafted, n - 1, plan.prior_logits, logprobs)
+
+
+def prefetch_masks(matcher: TokenMatcher, plan: StepPlan) -> None:
+    """Compute the masks after each token of `plan`'s block ahead of need (while it is forwarded). Engine thread."""
+    matcher.prefetch(plan.block)
 
 
 def _accept_constrained(m: TokenMatcher, session: Session, plan: StepPlan, logits: mx.array,

@@ -106,6 +106,12 @@ class Job(ABC):
     def plan(self, budget: int) -> Block | None:
         """This iteration's block (at most `budget` rows), or None to sit this one out."""
 
+    def overlap(self) -> None:
+        """Work for the next step that needs no result of this iteration's, run while its forward computes.
+
+        Called between `plan` and `update` for a job with a block in the forward; by default nothing.
+        """
+
     @abstractmethod
     def update(self, result: object) -> None:
         """Take the planned block's result (logits or the exception that stopped it)."""

@@ -18,7 +18,7 @@ import mlx.core as mx
 from inference_engine.decoding.call_output import CallOutput, Usage
 from inference_engine.decoding.drafter import Drafter
 from inference_engine.decoding.options import StepOptions
-from inference_engine.decoding.step import StepPlan, StepResult, finish_step, plan_step
+from inference_engine.decoding.step import StepPlan, StepResult, finish_step, plan_step, prefetch_masks
 from inference_engine.errors import EngineShutdown, EngineUnavailable
 from inference_engine.runtime.job import Job, Kind, Phase, resolve
 from inference_engine.runtime.types import AppendResult, GenerateParams, StopReason
@@ -199,6 +199,10 @@ class GenerateJob(Job):
                                self.options)
         self._block = self.session.coordinator.begin(list(self._plan.block), all_logits=self._plan.drafted > 0)
         return self._block
+
+    def overlap(self) -> None:
+        if self.options.matcher is not None and self._plan is not None:
+            prefetch_masks(self.options.matcher, self._plan)
 
     def update(self, result: object) -> None:
         coord = self.session.coordinator

@@ -2,6 +2,7 @@
 
     plan = self.schedule()                    # which rows run next, and why (a `Plan`, data)
     outputs = self.execute(plan)              # one backend forward for every row of it
+    outputs = self.overlap(plan, outputs)     # while it computes: each job's work that needs no logits
     self.update(plan, outputs)                # each job commits its result and hands it to the loop side
 
 A plan gathers the ready work of every session into one forward: the next decode step of
@@ -260,7 +261,7 @@ class Scheduler:
         plan = self.schedule()
         if plan is None:
             return self._ended or any(j.is_done for j in self._jobs)
-        outputs = self.execute(plan)
+        outputs = self.overlap(plan, self.execute(plan))
         self.update(plan, outputs)
         self._account(plan.n_rows, len(plan.rows), self._clock() - started)
         return True
@@ -313,6 +314,20 @@ class Scheduler:
     def execute(self, plan: Plan) -> list[mx.array | BaseException]:
         """Forward every block of `plan` in one backend call (results may still be computing)."""
         return self._backend().forward([r.block for r in plan.rows], wait=False)
+
+    def overlap(self, plan: Plan, outputs: list[mx.array | BaseException]) -> list[mx.array | BaseException]:
+        """Each job's work that needs no logits (a constraint's next masks), while the forward computes.
+
+        The forward was handed to MLX without waiting (`execute`), so this runs beside it. A job that
+        fails here gets its failure as its result: `update` then commits nothing of its block.
+        """
+        outputs = list(outputs)
+        for i, row in enumerate(plan.rows):
+            try:
+                row.job.overlap()
+            except BaseException as exc:  # noqa: BLE001 - one session's failure stays its own
+                outputs[i] = exc
+        return outputs
 
     def update(self, plan: Plan, outputs: list[mx.array | BaseException]) -> None:
         """Each job commits its result and hands it to the loop side; a job that fails ends alone."""

@@ -55,11 +55,19 @@ class ConstraintRun:
 
 
 class TokenMatcher:
-    """One output's position in its constraint (llguidance's LLMatcher); engine thread only."""
+    """One output's position in its constraint (llguidance's LLMatcher); engine thread only.
+
+    A mask is a pure function of the tokens consumed, so it can be computed before it is needed:
+    `prefetch` computes the masks after a planned block's tokens while the block's forward runs,
+    and `allowed` answers from them while the tokens consumed since follow that block.
+    """
 
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int):
         self._m = matcher
         self._vocab = vocab_size
+        self._ahead: tuple[int, ...] = ()  # the tokens `prefetch` computed masks after
+        self._masks: list[np.ndarray] = []  # _masks[i]: the mask after _ahead[: i + 1]
+        self._depth: int | None = None  # consumed since `prefetch`, all along _ahead; None: left it
 
     def allowed(self) -> np.ndarray:
         """(V,) bool: the tokens that may come next (EOS only once the output is complete).
@@ -67,9 +75,28 @@ class TokenMatcher:
         Raises:
             InvariantViolation: the matcher failed (llguidance's reason).
         """
-        bits = np.frombuffer(self._m.compute_bitmask(), dtype=np.uint8)
-        self._check()
-        return np.unpackbits(bits, bitorder="little")[: self._vocab].astype(bool)  # (V,)
+        if self._depth:  # 1..len(_masks): consume never goes past _ahead
+            return self._masks[self._depth - 1]
+        return self._compute()
+
+    def prefetch(self, tokens: Sequence[int]) -> None:
+        """Compute the masks after each prefix of `tokens` ahead of need (while a forward runs).
+
+        The matcher ends where it began; `allowed` then answers from these masks for as long as the
+        tokens consumed follow `tokens`. The prefetch stops before a token the constraint refuses
+        and after one that completes the output (no mask follows it).
+        """
+        self._ahead, self._masks, self._depth = (), [], None
+        masks: list[np.ndarray] = []
+        for t in tokens[: self._m.validate_tokens(list(tokens))]:
+            self._m.consume_token(t)
+            if self._m.is_stopped():
+                self._m.rollback(1)
+                break
+            masks.append(self._compute())
+            masks[-1].setflags(write=False)  # shared by every `allowed` that answers from it
+        self._m.rollback(len(masks))
+        self._ahead, self._masks, self._depth = tuple(tokens[: len(masks)]), masks, 0
 
     def consume(self, token: int) -> None:
         """Advance past `token` (one the mask allowed).
@@ -79,6 +106,9 @@ class TokenMatcher:
         """
         self._m.consume_token(token)
         self._check()
+        if self._depth is not None:
+            is_ahead = self._depth < len(self._ahead) and self._ahead[self._depth] == token
+            self._depth = self._depth + 1 if is_ahead else None
 
     def valid_prefix(self, tokens: Sequence[int]) -> int:
         """How many of `tokens`, in order from here, the constraint allows (nothing consumed)."""
@@ -88,11 +118,19 @@ class TokenMatcher:
         """Undo the last `n` consumed tokens."""
         if n:
             self._m.rollback(n)
+            if self._depth is not None:
+                self._depth = self._depth - n if n <= self._depth else None
 
     @property
     def is_complete(self) -> bool:
         """The output is complete: the constraint admits no further token (EOS included)."""
         return self._m.is_stopped()
+
+    def _compute(self) -> np.ndarray:
+        """(V,) bool: llguidance's mask for the tokens consumed so far (compute_bitmask, unpacked)."""
+        bits = np.frombuffer(self._m.compute_bitmask(), dtype=np.uint8)
+        self._check()
+        return np.unpackbits(bits, bitorder="little")[: self._vocab].astype(bool)  # (V,)
 
     def _check(self) -> None:
         if self._m.is_error():
