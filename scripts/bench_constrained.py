@@ -5,9 +5,9 @@ An in-process gRPC server over the packaged model (exact, the server's defaults)
 concurrent sessions, run alternately (their order rotates each rep, so a change in the machine's
 load falls on every arm alike):
 - `constrained`: greedy under the schema until the JSON completes; the masks after each planned
-  block are computed while its forward runs (the engine's default, `Job.overlap`);
+  block are computed while its forward runs (the engine's default, `step.prefetch_masks`);
 - `inline`: the same with every mask computed on demand, when the step reads it (the engine before
-  the prefetch: `GenerateJob.overlap` patched to do nothing); its tokens must equal `constrained`'s;
+  the prefetch: `jobs.prefetch_masks` patched to do nothing); its tokens must equal `constrained`'s;
 - `free`: no constraint, exactly as many tokens (ignore_eos) on the same prompt.
 
 Where a constrained token's time goes is measured around the engine's own calls (all on the engine
@@ -134,7 +134,7 @@ async def _bench(args: argparse.Namespace) -> int:
     from inference_engine.model.loader import load_model
     from inference_engine.model.packaged import ensure_packaged_model
     from inference_engine.runtime.engine import Engine
-    from inference_engine.runtime.jobs import GenerateJob
+    from inference_engine.runtime import jobs as jobs_module
     from inference_engine.runtime.runtime import Runtime
     from inference_engine.server.server import start_server
     from inference_engine.text.constraint import TokenMatcher
@@ -147,7 +147,7 @@ async def _bench(args: argparse.Namespace) -> int:
     for name in ("consume", "valid_prefix", "rollback"):
         timers.wrap(TokenMatcher, name, "matcher")
     timers.wrap_draw(step_module)  # waiting for the logits; masking them (where); the draw (argmax)
-    overlap = GenerateJob.overlap
+    prefetch_masks = jobs_module.prefetch_masks
 
     cfg = dataclasses.replace(ServerConfig(port=0), max_sessions=max(args.sessions) + 1, default_window=1024)
     loaded = load_model(ensure_packaged_model(default_cache_dir()))
@@ -181,7 +181,7 @@ async def _bench(args: argparse.Namespace) -> int:
         return [t for m in msgs for t in m.tokens], is_valid
 
     async def run_arm(arm: str, n_sessions: int, n_tokens: int) -> dict:
-        GenerateJob.overlap = overlap if arm == "constrained" else (lambda self: None)
+        jobs_module.prefetch_masks = prefetch_masks if arm == "constrained" else (lambda *a, **kw: None)
         sids = [await session() for _ in range(n_sessions)]
         load = os.getloadavg()[0]
         timers.reset()
@@ -233,7 +233,7 @@ async def _bench(args: argparse.Namespace) -> int:
                   f"(inline {a['engine_thread_us_per_token']['inline']:6.1f}); same bits: {same}", flush=True)
             loads.append(os.getloadavg())
     finally:
-        GenerateJob.overlap = overlap
+        jobs_module.prefetch_masks = prefetch_masks
         await channel.close()
         await server.stop(0.5)
         await runtime.stop()

@@ -296,7 +296,7 @@ async def test_bad_constraints_are_invalid_argument_and_leave_the_session_intact
 async def test_masks_are_computed_beside_the_forward_and_are_the_same_bits(real_engine, monkeypatch):
     """Every mask but a call's first comes from the prefetch run while the block is forwarded (drafts
     accepted or not, a stop string's cut), and the stream is the one computed with every mask on demand."""
-    from inference_engine.runtime.jobs import GenerateJob
+    from inference_engine.runtime import jobs
     from inference_engine.text.constraint import TokenMatcher
 
     counts = {"computed": 0, "prefetched": 0}
@@ -306,8 +306,8 @@ async def test_masks_are_computed_beside_the_forward_and_are_the_same_bits(real_
         counts["computed"] += 1
         return compute(self)
 
-    def counted_prefetch(self, tokens):
-        prefetch(self, tokens)
+    def counted_prefetch(self, *args, **kw):
+        prefetch(self, *args, **kw)
         counts["prefetched"] += len(self._masks)
 
     monkeypatch.setattr(TokenMatcher, "_compute", counted_compute)
@@ -321,7 +321,7 @@ async def test_masks_are_computed_beside_the_forward_and_are_the_same_bits(real_
             counts.update(computed=0, prefetched=0)
             runs[label] = await _forked_bursts(stub, base, 48, 48, constraint, **kw)
             assert counts["computed"] - counts["prefetched"] == 1, (label, counts)  # the call's first mask alone
-        monkeypatch.setattr(GenerateJob, "overlap", lambda self: None)  # every mask on demand
+        monkeypatch.setattr(jobs, "prefetch_masks", lambda *a, **kw: None)  # every mask on demand
         for label, kw in (("greedy", {}), ("lookup", lookup), ("seeded", SEEDED), ("cut", dict(stop=[","], **lookup))):
             counts.update(computed=0, prefetched=0)
             assert await _forked_bursts(stub, base, 48, 48, constraint, **kw) == runs[label], label

@@ -118,6 +118,10 @@ def test_prefetched_masks_are_the_masks_computed_on_demand(compiler, codec):
     assert m.allowed() is not m.allowed() and np.array_equal(m.allowed(), fresh(k))
     m.consume(text[k])
     assert m.allowed() is not m.allowed() and np.array_equal(m.allowed(), fresh(k + 1))
+    m.prefetch(here=True)  # the mask here, ahead of need
+    assert m.allowed() is m.allowed() and np.array_equal(m.allowed(), fresh(k + 1))
+    m.consume(text[k + 1])
+    assert m.allowed() is not m.allowed() and np.array_equal(m.allowed(), fresh(k + 2))
 
 
 def test_a_prefetch_stops_before_a_refused_token_and_at_a_completed_output(compiler, codec):
@@ -130,6 +134,8 @@ def test_a_prefetch_stops_before_a_refused_token_and_at_a_completed_output(compi
         m.consume(t)
         assert m.allowed() is m.allowed()
     m.consume(yes[-1])
+    assert m.is_complete
+    m.prefetch(here=True)  # complete: no mask here either
     assert m.is_complete
     m.rollback(len(yes))
     assert not m.is_complete and m.valid_prefix(yes) == len(yes)

@@ -108,9 +108,18 @@ def finish_step(session: Session, plan: StepPlan, logits: mx.array, stop_ids: fr
     return StepResult(block[:n], plan.drafted, n - 1, plan.prior_logits, logprobs)
 
 
-def prefetch_masks(matcher: TokenMatcher, plan: StepPlan) -> None:
-    """Compute the masks after each token of `plan`'s block ahead of need (while it is forwarded). Engine thread."""
-    matcher.prefetch(plan.block)
+def prefetch_masks(matcher: TokenMatcher, plan: StepPlan, is_finished: bool) -> None:
+    """Compute ahead the masks `finish_step` and the next `plan_step` read, while `plan` is forwarded. Engine thread.
+
+    Before finish_step (not `is_finished`): a drafted block's masks after g0 and after each draft
+    (finish_step checks the drafts with them; the next plan reads the one after the accepted ones).
+    After it: for a block of g0 alone, the mask after g0 (finish_step needs none and reads no logits,
+    so this runs once its step is handed over, the forward still computing).
+    """
+    if plan.drafted and not is_finished:
+        matcher.prefetch(plan.block)
+    elif not plan.drafted and is_finished:
+        matcher.prefetch(here=True)
 
 
 def _accept_constrained(m: TokenMatcher, session: Session, plan: StepPlan, logits: mx.array,

@@ -202,7 +202,7 @@ class GenerateJob(Job):
 
     def overlap(self) -> None:
         if self.options.matcher is not None and self._plan is not None:
-            prefetch_masks(self.options.matcher, self._plan)
+            prefetch_masks(self.options.matcher, self._plan, is_finished=False)
 
     def update(self, result: object) -> None:
         coord = self.session.coordinator
@@ -223,6 +223,8 @@ class GenerateJob(Job):
             self._unhanded = item
             self.phase = Phase.HANDING
         self.post(self._loop, self.out.put_nowait, item)
+        if self.options.matcher is not None and self.stop is None:  # the handed step's forward still computes
+            prefetch_masks(self.options.matcher, self._plan, is_finished=True)
 
     def _retract_unhanded(self) -> None:
         """Take back the step the stream has not taken (it will never be sent)."""

@@ -316,7 +316,7 @@ class Scheduler:
         return self._backend().forward([r.block for r in plan.rows], wait=False)
 
     def overlap(self, plan: Plan, outputs: list[mx.array | BaseException]) -> list[mx.array | BaseException]:
-        """Each job's work that needs no logits (a constraint's next masks), while the forward computes.
+        """Each job's work that needs no logits (a constraint's masks for drafts), while the forward computes.
 
         The forward was handed to MLX without waiting (`execute`), so this runs beside it. A job that
         fails here gets its failure as its result: `update` then commits nothing of its block.

@@ -58,7 +58,7 @@ class TokenMatcher:
     """One output's position in its constraint (llguidance's LLMatcher); engine thread only.
 
     A mask is a pure function of the tokens consumed, so it can be computed before it is needed:
-    `prefetch` computes the masks after a planned block's tokens while the block's forward runs,
+    `prefetch` computes masks while a forward runs (after the tokens of a planned block, or here),
     and `allowed` answers from them while the tokens consumed since follow that block.
     """
 
@@ -66,7 +66,7 @@ class TokenMatcher:
         self._m = matcher
         self._vocab = vocab_size
         self._ahead: tuple[int, ...] = ()  # the tokens `prefetch` computed masks after
-        self._masks: list[np.ndarray] = []  # _masks[i]: the mask after _ahead[: i + 1]
+        self._masks: dict[int, np.ndarray] = {}  # _masks[d]: the mask after _ahead[:d]
         self._depth: int | None = None  # consumed since `prefetch`, all along _ahead; None: left it
 
     def allowed(self) -> np.ndarray:
@@ -75,28 +75,33 @@ class TokenMatcher:
         Raises:
             InvariantViolation: the matcher failed (llguidance's reason).
         """
-        if self._depth:  # 1..len(_masks): consume never goes past _ahead
-            return self._masks[self._depth - 1]
+        if self._depth in self._masks:
+            return self._masks[self._depth]
         return self._compute()
 
-    def prefetch(self, tokens: Sequence[int]) -> None:
-        """Compute the masks after each prefix of `tokens` ahead of need (while a forward runs).
+    def prefetch(self, tokens: Sequence[int] = (), here: bool = False) -> None:
+        """Compute ahead of need the masks after each token of `tokens`, and here too if `here`.
 
         The matcher ends where it began; `allowed` then answers from these masks for as long as the
         tokens consumed follow `tokens`. The prefetch stops before a token the constraint refuses
-        and after one that completes the output (no mask follows it).
+        and before one that completes the output (no mask follows it).
         """
-        self._ahead, self._masks, self._depth = (), [], None
-        masks: list[np.ndarray] = []
+        self._ahead, self._masks, self._depth = (), {}, None
+        masks: dict[int, np.ndarray] = {}
+        if here and not self._m.is_stopped():
+            masks[0] = self._compute()
+        depth = 0
         for t in tokens[: self._m.validate_tokens(list(tokens))]:
             self._m.consume_token(t)
             if self._m.is_stopped():
                 self._m.rollback(1)
                 break
-            masks.append(self._compute())
-            masks[-1].setflags(write=False)  # shared by every `allowed` that answers from it
-        self._m.rollback(len(masks))
-        self._ahead, self._masks, self._depth = tuple(tokens[: len(masks)]), masks, 0
+            depth += 1
+            masks[depth] = self._compute()
+        self._m.rollback(depth)
+        for mask in masks.values():
+            mask.setflags(write=False)  # shared by every `allowed` that answers from it
+        self._ahead, self._masks, self._depth = tuple(tokens[:depth]), masks, 0
 
     def consume(self, token: int) -> None:
         """Advance past `token` (one the mask allowed).
