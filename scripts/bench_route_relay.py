@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo (infere
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ (benchkit)
 
 from benchkit.core import ROOT, load_prompts, summary  # noqa: E402
-from benchkit.engines import PIPELINE_RANGES, runtime_decode  # noqa: E402
+from benchkit.engines import PIPELINE_RANGES, runtime_decode, tear_down  # noqa: E402
 
 from inference_engine.blas import reexec_with_openblas  # noqa: E402
 from inference_engine.readiness import wait_ready  # noqa: E402
@@ -166,12 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         codec = codec_ms(int(args_.hidden_size), int(args_.vocab_size))
         loop.run_until_complete(route.stop())
     finally:
-        for e in engines.values():
-            e.close()
-        loop.close()
-        for w in workers:
-            w.terminate()
-            w.wait(timeout=30)
+        tear_down(loop, engines, workers)
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     out: dict[str, Any] = {
         "meta": {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

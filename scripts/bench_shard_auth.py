@@ -40,7 +40,7 @@ def main() -> int:
     reexec_with_openblas([str(Path(__file__).resolve()), *sys.argv[1:]])
 
     from benchkit.core import load_prompts, summary
-    from benchkit.engines import runtime_decode
+    from benchkit.engines import runtime_decode, tear_down
 
     from inference_engine.config import ServerConfig, default_cache_dir
     from inference_engine.model.packaged import ensure_packaged_model
@@ -81,12 +81,7 @@ def main() -> int:
             loop.run_until_complete(route.stop())
         loop.run_until_complete(supervisor.stop())
     finally:
-        for e in engines.values():
-            e.close()
-        loop.close()
-        for w in workers:
-            w.terminate()
-            w.wait(timeout=30)
+        tear_down(loop, engines, workers)
     out = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "host": socket.gethostname(),
         "command": " ".join(["scripts/bench_shard_auth.py", *sys.argv[1:]]), "ranges": list(RANGES), "block": block,

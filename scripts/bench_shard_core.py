@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo (infere
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ (benchkit)
 
 from benchkit.core import ROOT, load_prompts, summary  # noqa: E402
-from benchkit.engines import PIPELINE_RANGES, runtime_decode, runtime_sessions_at_once  # noqa: E402
+from benchkit.engines import PIPELINE_RANGES, runtime_decode, runtime_sessions_at_once, tear_down  # noqa: E402
 
 from inference_engine.blas import reexec_with_openblas  # noqa: E402
 from inference_engine.readiness import wait_ready  # noqa: E402
@@ -126,13 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         for route in routes.values():
             loop.run_until_complete(route.stop())
     finally:
-        for e in engines.values():
-            e.close()
-        loop.close()
-        for ws in workers.values():
-            for w in ws:
-                w.terminate()
-                w.wait(timeout=30)
+        tear_down(loop, engines, [w for ws in workers.values() for w in ws])
     for name in routes:
         out_relay = summary(relay[name])
         relay[name] = out_relay  # type: ignore[assignment]

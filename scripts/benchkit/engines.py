@@ -238,6 +238,16 @@ def start_in_process(plan: Plan, prompts: Prompts, stack: ExitStack) -> Contende
 PIPELINE_RANGES = ("0:10", "10:20", "20:30")  # head / middle / tail of the 30-block SmolLM2-135M
 
 
+def tear_down(loop: asyncio.AbstractEventLoop, engines: dict[str, Any], workers: list[subprocess.Popen]) -> None:
+    """A route bench's `finally`: close its engines and event loop, then stop its shard workers."""
+    for e in engines.values():
+        e.close()
+    loop.close()
+    for w in workers:
+        w.terminate()
+        w.wait(timeout=30)
+
+
 def measure_pipeline(plan: Plan, prompts: Prompts) -> dict[str, Any]:
     """Greedy decode tok/s over a 3-worker shard route vs the same Runtime in one process.
 
@@ -283,12 +293,7 @@ def measure_pipeline(plan: Plan, prompts: Prompts) -> dict[str, Any]:
         loop.run_until_complete(asyncio.sleep(0.2))  # closed sessions' releases reach the workers
         loop.run_until_complete(route.stop())
     finally:
-        for e in engines.values():
-            e.close()
-        loop.close()
-        for w in workers:
-            w.terminate()
-            w.wait(timeout=30)
+        tear_down(loop, engines, workers)
     # Hop calls include each repetition's prompt forward as well as its decode steps.
     out: dict[str, Any] = {"ranges": list(PIPELINE_RANGES), "block": block, "new_tokens": plan.new_tokens,
                            "hops": hops}
