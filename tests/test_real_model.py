@@ -56,6 +56,9 @@ async def test_session_memory_flat_past_ten_windows(real_model, real_engine):
             samples.append((info.kv_bytes, mx.get_active_memory()))
         assert info.history_length == 352 and info.cached_tokens == sink + window
         assert len({kv for kv, _ in samples}) == 1
-        # MLX active memory does not grow with the token count once the window is full.
-        growth = samples[-1][1] - samples[1][1]
-        assert growth < 2 * 1024 * 1024, samples
+        # MLX active memory does not grow with the token count once the window is full. It is the
+        # process's: one read can catch a transient (an engine-thread temporary not yet dropped when
+        # the reply arrives, seen once under a CPU hog), so each end is the median of three reads. A
+        # leak of 0.3 MiB a window still fails: it shows in every late read.
+        early, late = (sorted(m for _, m in part)[1] for part in (samples[1:4], samples[-3:]))
+        assert late - early < 2 * 1024 * 1024, samples
