@@ -139,6 +139,24 @@ def test_a_call_racing_close_is_refused(tokenizer):
         processes.encode(CJK * 100, False)
 
 
+def test_a_call_racing_a_discarded_pool_is_unavailable(tokenizer):
+    """A call that got the pool just before another call discarded it (broken) submits to a shut pool:
+    TokenizerUnavailable, not the pool's RuntimeError; the next call gets a new pool."""
+    processes = TokenizerProcesses(tokenizer.backend_tokenizer, THRESHOLD)
+    try:
+        pool = processes._executor()
+        processes._discard(pool)
+        executor = processes._executor
+        processes._executor = lambda: pool  # the race's interleaving, made certain
+        with pytest.raises(TokenizerUnavailable, match="ended during the call; retry"):
+            processes.encode(CJK * 100, False)
+        processes._executor = executor
+        text = CJK * 100
+        assert processes.encode(text, False) == tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids
+    finally:
+        processes.close()
+
+
 WORKER_OF_A_KILLED_SERVER = """
 import os, signal, sys
 from tokenizers import Tokenizer

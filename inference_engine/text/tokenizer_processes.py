@@ -135,9 +135,14 @@ class TokenizerProcesses:
                 raise TokenizerUnavailable(f"the tokenizer process {why} during the call; retry: a new one starts "
                                            "with the next call") from exc
             except (concurrent.futures.CancelledError, RuntimeError) as exc:
-                if not self._is_closed:  # not the pool's shutdown: the worker's own error
-                    raise
-                raise TokenizerUnavailable("the server is shutting down; retry against a live server") from exc
+                # The pool was shut down under this call: at the server's close, or replaced after another
+                # call found it broken (`_discard`: submit refuses, queued futures are cancelled).
+                if self._is_closed:
+                    raise TokenizerUnavailable("the server is shutting down; retry against a live server") from exc
+                if self._pool is not pool or isinstance(exc, concurrent.futures.CancelledError):
+                    raise TokenizerUnavailable("the tokenizer process ended during the call; retry: a new one "
+                                               "starts with the next call") from exc
+                raise  # the worker's own error
         metrics.TOKENIZER_PROCESS_CALLS.labels(op).inc()
         return result
 
