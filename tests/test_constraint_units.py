@@ -139,3 +139,21 @@ def test_a_prefetch_stops_before_a_refused_token_and_at_a_completed_output(compi
     assert m.is_complete
     m.rollback(len(yes))
     assert not m.is_complete and m.valid_prefix(yes) == len(yes)
+
+
+def test_a_failed_prefetch_leaves_the_matcher_where_it_began(compiler, codec, monkeypatch):
+    """A mask that fails mid-prefetch (after tokens were consumed) propagates, and the matcher is back where it
+    began: the next mask is the one computed before the prefetch."""
+    m = compiler.matcher(Constraint("regex", "(yes|no), thank you"))
+    yes, first = codec.encode("yes, thank you"), m.allowed()
+    calls = []
+
+    def failing() -> np.ndarray:
+        calls.append(1)
+        raise RuntimeError("mask failed")
+
+    monkeypatch.setattr(m, "_compute", failing)
+    with pytest.raises(RuntimeError, match="mask failed"):
+        m.prefetch(yes)
+    monkeypatch.undo()
+    assert calls and np.array_equal(m.allowed(), first) and m.valid_prefix(yes) == len(yes)

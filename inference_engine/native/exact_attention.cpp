@@ -10,7 +10,7 @@
 // rows land in their buffers when it runs (an MLX node cannot donate an input to one of
 // several outputs, and a copy of every session's slab per layer would cost more than the
 // graph it saves). So the storage is a buffer, not a value: the cache owns it alone
-// (verifier/kv_cache.py), and whoever wants to keep a state across a forward copies it
+// (execution/kv_cache.py), and whoever wants to keep a state across a forward copies it
 // (`Executor.snapshot`).
 //
 // Why the bits of a row cannot depend on its companions, its block or the thread split: the

@@ -10,7 +10,7 @@
 namespace exact_attention {
 
 // Per segment (one session's consecutive rows): its first row's global position, its rows,
-// and its cache layout (sinks, window, ring slots: verifier/kv_cache.py CacheGeometry).
+// and its cache layout (sinks, window, ring slots: execution/kv_cache.py CacheGeometry).
 struct Segments {
   std::vector<int> starts, rows, sinks, windows, rings;
 };

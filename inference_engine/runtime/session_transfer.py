@@ -337,7 +337,8 @@ class SessionTransfer:
 
     async def check_constraint(self, snap: SessionSnapshot) -> None:
         """The snapshot's constraint is one a request could pass here and compiles, as the next constrained call
-        will compile it (off the loop; checked before any slab is reserved for a file's or a persisted session).
+        will compile it (off the loop; before the session is installed: a restore's slab is reserved by then, since the
+        constraint is in the body, and is given back if this fails).
 
         Raises:
             SnapshotCorrupt: its source is over --max-text-chars (a request's bound, checked before compiling), it

@@ -220,7 +220,7 @@ def _health_follows(frontend: Frontend) -> Callable[[bool], None]:
 
 async def _serve_engine(cfg: ServerConfig, engine: Engine, frontend: Frontend, stop: asyncio.Event,
                         http: HttpFrontend | None = None) -> None:
-    route = supervisor = None
+    route = supervisor = runtime = None
     try:
         # Spawning or reaching workers can take minutes: a stop signal meanwhile ends it (connect_shards
         # then stops what it started, so no worker and no token file outlive the server).
@@ -256,8 +256,9 @@ async def _serve_engine(cfg: ServerConfig, engine: Engine, frontend: Frontend, s
         await frontend.drain(max(0.1, cfg.grace_s - (time.monotonic() - started)))
         if persistence is not None:
             await persistence.close()  # every live session, after its in-flight call drained
-        await runtime.stop()
     finally:
+        if runtime is not None:  # also after a failed drain: the sweeper stops, the tokenizer processes are joined
+            await runtime.stop()
         if route is not None:
             route.is_closed = True  # a call waiting for a silent route gives up now
         await asyncio.to_thread(engine.close)  # waits for the running item

@@ -91,14 +91,16 @@ class TokenMatcher:
         if here and not self._m.is_stopped():
             masks[0] = self._compute()
         depth = 0
-        for t in tokens[: self._m.validate_tokens(list(tokens))]:
-            self._m.consume_token(t)
-            if self._m.is_stopped():
-                self._m.rollback(1)
-                break
-            depth += 1
-            masks[depth] = self._compute()
-        self._m.rollback(depth)
+        try:
+            for t in tokens[: self._m.validate_tokens(list(tokens))]:
+                self._m.consume_token(t)
+                if self._m.is_stopped():
+                    self._m.rollback(1)
+                    break
+                depth += 1
+                masks[depth] = self._compute()
+        finally:  # also when a mask fails: the matcher ends where it began
+            self._m.rollback(depth)
         for mask in masks.values():
             mask.setflags(write=False)  # shared by every `allowed` that answers from it
         self._ahead, self._masks, self._depth = tuple(tokens[:depth]), masks, 0

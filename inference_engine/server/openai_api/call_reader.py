@@ -16,9 +16,9 @@ import re
 import secrets
 from dataclasses import dataclass
 
-from inference_engine.server.openai_api.tools import ToolCall
+from inference_engine.server.openai_api.tools import TOOL_NAME, ToolCall
 
-_PREFIX = re.compile(r'\{"name":"([A-Za-z0-9_-]{1,64})","arguments":')  # a call, up to its arguments
+_PREFIX = re.compile(r'\{"name":"(' + TOOL_NAME.pattern + r')","arguments":')  # a call, up to its arguments
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from inference_engine.text.codec import ChatMessage
 from inference_engine.text.constraint import ANY_JSON_OBJECT, Constraint
 
 MAX_TOOLS = 64  # tools in one request
-_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _COMPACT = {"whitespace_flexible": False}  # as text/constraint.JSON_DEFAULTS: a call is compact JSON
 TOOLS_PROMPT = ("You can call these tools (JSON schemas of their arguments):\n{tools}\n"
                 'To call one, reply with only a JSON object: {{"name": <the tool\'s name>, "arguments": <its arguments>}}.')
@@ -89,7 +89,7 @@ def tool_plan(body: ChatCompletionRequest) -> ToolPlan | None:
         raise InvalidRequest(f"tools has {len(tools)} elements; allowed 1..{MAX_TOOLS}", "tools")
     names = [t.function.name for t in tools]
     for name in names:
-        if not _NAME.fullmatch(name):
+        if not TOOL_NAME.fullmatch(name):
             raise InvalidRequest(f"tools: function name {name[:80]!r} is not 1..64 letters, digits, '_' or '-'", "tools")
     if len(set(names)) != len(names):
         raise InvalidRequest("tools: function names must be unique", "tools")
