@@ -294,8 +294,15 @@ class SessionTransfer:
         f = snap.fingerprint
         geometry = self.engine.geometry(f.sink, f.window)
         prepared = await asyncio.to_thread(self.engine.prepare_session, f.sink, f.window)  # off the engine thread
-        coordinator = await self.engine.run(
-            lambda: install(snap, self.engine.backend, geometry, short_id(session_id), prepared))
+        built = asyncio.ensure_future(self.engine.run(
+            lambda: install(snap, self.engine.backend, geometry, short_id(session_id), prepared)))
+        try:
+            coordinator = await asyncio.shield(built)
+        except asyncio.CancelledError:  # the install completes anyway (Scheduler.run): free its slab, here or on a route
+            await asyncio.wait((built,))
+            if not built.cancelled() and built.exception() is None:
+                built.result().close()
+            raise
         session = Session(session_id, coordinator, f.sink, f.window, snap.eos_token_ids, snap.client_label,
                           owner=owner, chat=snap.chat,  # the next chat turn renders as on the original
                           constraint=snap.constraint)  # and a constrained output continues as on the original
