@@ -30,14 +30,12 @@ Usage: scripts/bench_route_relay.py [--reps N] [--tokens N] [--out FILE]
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import datetime
 import json
 import os
 import socket
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -47,19 +45,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo (inference_engine)
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ (benchkit)
 
-from benchkit.core import ROOT, load_prompts, summary  # noqa: E402
-from benchkit.engines import PIPELINE_RANGES, runtime_decode, tear_down  # noqa: E402
+from benchkit.core import ROOT, summary  # noqa: E402
+from benchkit.engines import (PIPELINE_RANGES, route_bench_parser, runtime_decode, start_route_bench,  # noqa: E402
+                              start_route_workers, tear_down)
 
 from inference_engine.blas import reexec_with_openblas  # noqa: E402
 from inference_engine.readiness import wait_ready  # noqa: E402
-
-
-def start_workers(block: int) -> list[subprocess.Popen]:
-    """The route's three workers (this tree)."""
-    return [subprocess.Popen([sys.executable, "-m", "inference_engine", "shard-worker", "--layers", r, "--port", "0",
-                              "--block", str(block), "--max-sessions", "4"],
-                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-            for r in PIPELINE_RANGES]
 
 
 def worker_counters(addresses: list[str]) -> list[tuple[int, float]]:
@@ -116,24 +107,16 @@ async def empty_rounds(pipeline: Any, tokens: list[int], n: int) -> list[float]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     reexec_with_openblas([str(Path(__file__).resolve()), *argv])
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--tokens", type=int, default=64)
+    parser = route_bench_parser(__doc__, reps=3, tokens=64)
     parser.add_argument("--empty-rounds", type=int, default=50)
-    parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
 
-    from inference_engine.config import ServerConfig, default_cache_dir
-    from inference_engine.model.packaged import ensure_packaged_model
     from inference_engine.runtime.runtime import Runtime
-    from inference_engine.server.server import build_engine, connect_shards
+    from inference_engine.server.server import connect_shards
 
-    prompts = load_prompts(ensure_packaged_model(default_cache_dir()))
-    load_at_start = os.getloadavg()
-    cfg = ServerConfig(port=0, default_window=1024, max_sessions=2, draft_model=None)
-    engines = {name: build_engine(cfg) for name in ("single_process", "route")}
-    block = engines["single_process"].block
-    workers = start_workers(block)
+    bench = start_route_bench(("single_process", "route"), max_sessions=2)
+    prompts, cfg, engines, block = bench.prompts, bench.cfg, bench.engines, bench.block
+    workers = start_route_workers(block, 4)
     loop = asyncio.new_event_loop()
     rows: list[dict[str, float]] = []
     single: list[float] = []
@@ -170,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     out: dict[str, Any] = {
         "meta": {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                 "host": socket.gethostname(), "cpus": os.cpu_count(), "load_at_start": load_at_start,
+                 "host": socket.gethostname(), "cpus": os.cpu_count(), "load_at_start": bench.load_at_start,
                  "load_at_end": os.getloadavg(), "ranges": list(PIPELINE_RANGES), "block": block,
                  "tokens": args.tokens, "reps": args.reps},
         "per_rep": rows,

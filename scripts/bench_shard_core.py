@@ -24,13 +24,11 @@ Usage: scripts/bench_shard_core.py --before DIR [--reps N] [--tokens N] [--out F
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import datetime
 import json
 import os
 import socket
-import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -39,20 +37,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo (inference_engine)
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ (benchkit)
 
-from benchkit.core import ROOT, load_prompts, summary  # noqa: E402
-from benchkit.engines import PIPELINE_RANGES, runtime_decode, runtime_sessions_at_once, tear_down  # noqa: E402
+from benchkit.core import ROOT, summary  # noqa: E402
+from benchkit.engines import (PIPELINE_RANGES, route_bench_parser, runtime_decode,  # noqa: E402
+                              runtime_sessions_at_once, start_route_bench, start_route_workers, tear_down)
 
 from inference_engine.blas import reexec_with_openblas  # noqa: E402
 from inference_engine.readiness import wait_ready  # noqa: E402
-
-
-def start_workers(tree: Path, block: int, sessions: int) -> list[subprocess.Popen]:
-    """The route's three workers, running the code of `tree`."""
-    env = {**os.environ, "PYTHONPATH": str(tree)}
-    return [subprocess.Popen([sys.executable, "-m", "inference_engine", "shard-worker", "--layers", r, "--port", "0",
-                              "--block", str(block), "--max-sessions", str(2 * sessions)],
-                             cwd=tree, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-            for r in PIPELINE_RANGES]
 
 
 def relay_ms(trace: Any, then: list, now: list) -> float:
@@ -69,27 +59,19 @@ def relay_ms(trace: Any, then: list, now: list) -> float:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     reexec_with_openblas([str(Path(__file__).resolve()), *argv])
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = route_bench_parser(__doc__, reps=5, tokens=128)
     parser.add_argument("--before", type=Path, required=True, help="a tree whose workers are the 'before' route")
-    parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--sessions", type=int, default=8)
-    parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
 
-    from inference_engine.config import ServerConfig, default_cache_dir
-    from inference_engine.model.packaged import ensure_packaged_model
     from inference_engine.runtime.runtime import Runtime
-    from inference_engine.server.server import build_engine, connect_shards
+    from inference_engine.server.server import connect_shards
 
-    prompts = load_prompts(ensure_packaged_model(default_cache_dir()))
-    load_at_start = os.getloadavg()
-    cfg = ServerConfig(port=0, default_window=1024, max_sessions=args.sessions, draft_model=None)
     names = ("single_process", "route_before", "route_after")
-    engines = {name: build_engine(cfg) for name in names}
-    block = engines["single_process"].block
+    bench = start_route_bench(names, max_sessions=args.sessions)
+    prompts, cfg, engines, block = bench.prompts, bench.cfg, bench.engines, bench.block
     trees = {"route_before": args.before.resolve(), "route_after": ROOT}
-    workers = {name: start_workers(tree, block, args.sessions) for name, tree in trees.items()}
+    workers = {name: start_route_workers(block, 2 * args.sessions, tree) for name, tree in trees.items()}
     loop = asyncio.new_event_loop()
     routes = {}
     try:
@@ -132,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         relay[name] = out_relay  # type: ignore[assignment]
     out: dict[str, Any] = {
         "meta": {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                 "host": socket.gethostname(), "cpus": os.cpu_count(), "load_at_start": load_at_start,
+                 "host": socket.gethostname(), "cpus": os.cpu_count(), "load_at_start": bench.load_at_start,
                  "load_at_end": os.getloadavg(), "before_tree": str(args.before), "ranges": list(PIPELINE_RANGES),
                  "block": block, "tokens": args.tokens, "reps": args.reps, "sessions": args.sessions},
         "hops": hops,

@@ -1,7 +1,6 @@
 """The chat log in the snapshot file (format versions 2 and 3): exact round trips, version 1 files read
 with an empty log, and every chat section a forged file could carry checked against the history."""
 
-import dataclasses
 import json
 
 import pytest
@@ -10,7 +9,7 @@ from inference_engine.errors import SnapshotCorrupt
 from inference_engine.session import snapshot_format as fmt
 from inference_engine.text.chat import ChatLog, ReplySpan
 from inference_engine.text.codec import ChatMessage
-from tests.test_snapshot_format import _build, _parts, _snapshot
+from tests.test_snapshot_format import _build, _parts, _round_trip, _snapshot
 
 N = 7  # `_snapshot()`'s history length
 CHAT = ChatLog((ChatMessage("system", "Be brief."), ChatMessage("user", "2+2? é 日本 \"q\" \\ <|im_end|>"),
@@ -35,11 +34,8 @@ def _chat(turns: list, reply_from: object = None) -> bytes:
 
 @pytest.mark.parametrize("chat", [ChatLog(), ChatLog((ChatMessage("user", "hi"),), 2), CHAT])
 def test_the_chat_log_round_trips_exactly(chat):
-    data = fmt.encode(dataclasses.replace(_snapshot(), chat=chat))
-    assert data == fmt.encode(dataclasses.replace(_snapshot(), chat=chat))  # deterministic
-    back = fmt.decode(data)
-    assert back.chat == chat and back.history_length == N
-    assert fmt.encode(back) == data
+    data, back = _round_trip(chat=chat)
+    assert back.chat == chat
     assert data[8:12] == fmt.FORMAT_VERSION.to_bytes(4, "little") == b"\3\0\0\0"
 
 

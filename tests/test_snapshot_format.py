@@ -25,6 +25,16 @@ def _snapshot(n: int = 7, dtype: str = "float32", identity: fmt.PersistedIdentit
     return fmt.SessionSnapshot(FP, (1, 2), "label é", np.arange(n, dtype=np.uint32), logits, kv, "c" * 64, identity)
 
 
+def _round_trip(**fields: object) -> tuple[bytes, fmt.SessionSnapshot]:
+    """`_snapshot()` with `fields` replaced, as a file (checked deterministic, and re-encoded to the same bytes
+    after a decode), and what it decodes to (checked to hold the same history)."""
+    data = fmt.encode(dataclasses.replace(_snapshot(), **fields))
+    assert data == fmt.encode(dataclasses.replace(_snapshot(), **fields))  # deterministic
+    back = fmt.decode(data)
+    assert fmt.encode(back) == data and back.history_length == _snapshot().history_length
+    return data, back
+
+
 def _parts(data: bytes) -> tuple[dict, bytes]:
     _, _, head_len = struct.unpack_from("<8sII", data)
     return json.loads(data[16 : 16 + head_len]), data[16 + head_len : -32]

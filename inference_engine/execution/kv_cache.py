@@ -265,21 +265,25 @@ class SinkWindowKVCache:
         Raises:
             ValueError: the cache is not fresh (offset 0), or the arrays do not fit (shape or dtype).
         """
-        if self.offset != 0:
-            raise ValueError(f"a canonical state loads into a fresh cache only (this one is at {self.offset})")
         pos = np.array(self.geometry.visible_positions(offset)[:-1] if offset else [], dtype=np.int64)
-        want = (self.keys.shape[0], len(pos), self.keys.shape[2])
-        dtype = np.dtype(str(self.keys.dtype).removeprefix("mlx.core."))
-        for name, a in (("keys", keys), ("values", values)):
-            if a.shape != want or a.dtype != dtype:
-                raise ValueError(f"canonical {name} {a.dtype}{list(a.shape)} do not fit a cache at position {offset}; "
-                                 f"expected {dtype}{list(want)}")
+        self._check_loadable(offset, len(pos), keys, values)
         if len(pos):
             idx = mx.array(self.geometry.slot_of(pos).astype(np.int32))
             self.keys[:, idx, :] = mx.array(keys)
             self.values[:, idx, :] = mx.array(values)
             mx.eval(self.keys, self.values)
         self.offset = offset
+
+    def _check_loadable(self, offset: int, count: int, keys: np.ndarray, values: np.ndarray) -> None:
+        """Raise ValueError unless this cache is fresh and `keys`/`values` are (n_kv, count, D) of its dtype."""
+        if self.offset != 0:
+            raise ValueError(f"a canonical state loads into a fresh cache only (this one is at {self.offset})")
+        want = (self.keys.shape[0], count, self.keys.shape[2])
+        dtype = np.dtype(str(self.keys.dtype).removeprefix("mlx.core."))
+        for name, a in (("keys", keys), ("values", values)):
+            if a.shape != want or a.dtype != dtype:
+                raise ValueError(f"canonical {name} {a.dtype}{list(a.shape)} do not fit a cache at position {offset}; "
+                                 f"expected {dtype}{list(want)}")
 
     @property
     def nbytes(self) -> int:

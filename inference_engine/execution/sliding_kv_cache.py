@@ -76,15 +76,8 @@ class SlidingKVCache(SinkWindowKVCache):
         Raises:
             ValueError: the cache is not fresh, or the arrays do not fit.
         """
-        if self.offset != 0:
-            raise ValueError(f"a canonical state loads into a fresh cache only (this one is at {self.offset})")
         kept, slots = self._canonical_index(offset)
-        want = (self.keys.shape[0], len(kept), self.keys.shape[2])
-        dtype = np.dtype(str(self.keys.dtype).removeprefix("mlx.core."))
-        for name, a in (("keys", keys), ("values", values)):
-            if a.shape != want or a.dtype != dtype:
-                raise ValueError(f"canonical {name} {a.dtype}{list(a.shape)} do not fit a cache at position {offset}; "
-                                 f"expected {dtype}{list(want)}")
+        self._check_loadable(offset, len(kept), keys, values)
         if kept.any():
             idx = mx.array(slots.astype(np.int32))
             self.keys[:, idx, :] = mx.array(keys[:, kept])

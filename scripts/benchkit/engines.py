@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import re
@@ -10,11 +11,11 @@ import sys
 import tempfile
 import time
 from contextlib import ExitStack
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from benchkit.core import ROOT, Contender, Plan, Prompts, Trace, summary
+from benchkit.core import ROOT, Contender, Plan, Prompts, Trace, load_prompts, summary
 from inference_engine.readiness import wait_ready
 
 # ---------------------------------------------------------------------------- server (gRPC)
@@ -238,6 +239,49 @@ def start_in_process(plan: Plan, prompts: Prompts, stack: ExitStack) -> Contende
 PIPELINE_RANGES = ("0:10", "10:20", "20:30")  # head / middle / tail of the 30-block SmolLM2-135M
 
 
+def route_bench_parser(doc: str, reps: int, tokens: int) -> argparse.ArgumentParser:
+    """A route bench's command line: --reps, --tokens and --out (the caller adds its own)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=reps)
+    parser.add_argument("--tokens", type=int, default=tokens)
+    parser.add_argument("--out", type=Path)
+    return parser
+
+
+@dataclass(frozen=True)
+class RouteBench:
+    """What a route bench starts from (`start_route_bench`)."""
+
+    prompts: Prompts  # the packaged model's prompts
+    cfg: Any  # the ServerConfig every engine and runtime is built from
+    engines: dict[str, Any]  # one Engine per contender, by name
+    block: int  # the single process's probed block: the workers start at it
+    load_at_start: tuple[float, float, float]  # os.getloadavg() before any engine was built
+
+
+def start_route_bench(names: tuple[str, ...], max_sessions: int) -> RouteBench:
+    """The packaged model's prompts and one engine per name (window 1024, no draft model); the first
+    name is the single process whose block the workers use."""
+    from inference_engine.config import ServerConfig, default_cache_dir
+    from inference_engine.model.packaged import ensure_packaged_model
+    from inference_engine.server.server import build_engine
+
+    prompts = load_prompts(ensure_packaged_model(default_cache_dir()))
+    load_at_start = os.getloadavg()
+    cfg = ServerConfig(port=0, default_window=1024, max_sessions=max_sessions, draft_model=None)
+    engines = {name: build_engine(cfg) for name in names}
+    return RouteBench(prompts, cfg, engines, engines[names[0]].block, load_at_start)
+
+
+def start_route_workers(block: int, max_sessions: int, tree: Path = ROOT) -> list[subprocess.Popen]:
+    """The three `shard-worker`s of PIPELINE_RANGES at `block`, running the code of `tree`."""
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    return [subprocess.Popen([sys.executable, "-m", "inference_engine", "shard-worker", "--layers", r, "--port", "0",
+                              "--block", str(block), "--max-sessions", str(max_sessions)],
+                             cwd=tree, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            for r in PIPELINE_RANGES]
+
+
 def tear_down(loop: asyncio.AbstractEventLoop, engines: dict[str, Any], workers: list[subprocess.Popen]) -> None:
     """A route bench's `finally`: close its engines and event loop, then stop its shard workers."""
     for e in engines.values():
@@ -264,10 +308,7 @@ def measure_pipeline(plan: Plan, prompts: Prompts) -> dict[str, Any]:
     cfg = ServerConfig(port=0, default_window=plan.window, max_sessions=plan.sessions, draft_model=None)
     engines = {"single_process": build_engine(cfg), "pipeline": build_engine(cfg)}  # default weights, as the workers
     block = engines["single_process"].block
-    workers = [subprocess.Popen([sys.executable, "-m", "inference_engine", "shard-worker", "--layers", r,
-                                 "--port", "0", "--block", str(block), "--max-sessions", str(2 * plan.sessions)],
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-               for r in PIPELINE_RANGES]
+    workers = start_route_workers(block, 2 * plan.sessions)
     loop = asyncio.new_event_loop()
     try:
         addresses = [wait_ready(w) for w in workers]
