@@ -58,8 +58,8 @@ class AppendJob(Job):
         return len(self.tokens) - self.fed
 
     def plan(self, budget: int) -> Block | None:
-        if self.phase is Phase.HANDING:  # the caller takes the result, or goes away (then abort undoes it)
-            return None
+        if self.phase in (Phase.HANDING, Phase.DONE):  # the caller takes the result (maybe since this step's
+            return None  # drop of ended jobs), or goes away (then abort undoes it)
         if self.session.is_closed:  # closed while appending: undo it (the close reports the history without it)
             self.is_cancelled = True
             return None
@@ -73,6 +73,7 @@ class AppendJob(Job):
 
     def update(self, result: object) -> None:
         coord, block = self.session.coordinator, self._block
+        self._block = None  # the scheduler's plan holds it until the step ends; the ended job lives longer
         coord.end(result)  # raises the block's error: abort undoes the call
         coord.accept(list(block.tokens), len(block.tokens))
         self.fed += len(block.tokens)
@@ -96,6 +97,9 @@ class AppendJob(Job):
             if also is not None:
                 also()
             self.phase = Phase.DONE
+            # Nothing can undo the append now: its undo point (beyond the rollback room, a copy of the whole
+            # K/V) goes with the reply, not when the engine loop next drops the ended job (issue 33).
+            self.mark = None
         resolve(self.finished, None, None)
         return True
 
