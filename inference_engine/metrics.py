@@ -70,7 +70,7 @@ PREFIX_CACHE_TOKENS = Counter(
 )
 PREFIX_CACHE_FORKS = Counter(
     "inference_engine_prefix_cache_forks", "Fallback forks of a prompt whose reply may outgrow --max-rollback: taken "
-    "(kept in the cache), discarded (the reply stayed within a rollback); lookups{outcome=\"fork\"} counts those used",
+    "(built and kept in the cache), discarded (the reply stayed within a rollback); lookups{outcome=\"fork\"} counts those used",
     ("outcome",), registry=REGISTRY,
 )
 PREFIX_CACHE_EVICTIONS = Counter(

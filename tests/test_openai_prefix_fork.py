@@ -7,6 +7,8 @@ the previous prompt instead, bitwise as a fresh prefill would.
 
 from __future__ import annotations
 
+import asyncio
+
 from inference_engine import metrics
 from inference_engine.runtime.types import AppendParams, CreateSessionParams
 from inference_engine.security.authenticator import Authenticator
@@ -36,6 +38,11 @@ def _fork_hits() -> float:
     return _count("inference_engine_prefix_cache_lookups_total", outcome="fork")
 
 
+async def settled(cache) -> None:
+    """Every identity's forks being built are kept or dropped (a reply's end does not wait for its fork)."""
+    await asyncio.gather(*(cache.settled(owner) for owner in list(cache._building)))
+
+
 def edit(prompt: list[int], reply: list[int]) -> list[int]:
     """The next turn's prompt with the reply's first token changed (re-tokenized or edited by the client)."""
     return prompt + [201 if reply[0] == 200 else 200] + reply[1:] + [10, 11]
@@ -61,6 +68,7 @@ async def test_a_reply_edited_beyond_rollback_is_served_by_the_fork(tiny_engine)
     async with http_api(tiny_engine, authenticator=auth, max_sessions=6) as s:
         cache = s.http.serving.service.cache
         replies, cached, second_prompt = await _two_turns(s, TOKENS[0])
+        await settled(cache)
         assert len(replies[0]) == REPLY and replies == plain  # bitwise the completions without the cache
         assert cached == [0, len(PROMPT)]  # the whole previous prompt, from the fork
         assert _fork_hits() == hits + 1 and _forks_kept() == forks + 2  # one fork per turn; turn 2 took turn 1's
@@ -70,6 +78,7 @@ async def test_a_reply_edited_beyond_rollback_is_served_by_the_fork(tiny_engine)
                                                temperature=0.9, seed=3)
         assert other.usage.prompt_tokens_details.cached_tokens == 0 and _fork_hits() == hits + 1
         assert ids(other.choices[0]) == replies[1]
+        await settled(cache)
         kept = set(cache._kept)
         assert {x.session_id for x in s.runtime.store.sessions()} == kept  # every open session is an entry
         await s.http.stop(0.5)  # shutdown closes the entries: nothing leaked, every slab free
@@ -90,8 +99,11 @@ async def test_forks_count_in_the_byte_bound_and_go_least_recently_used(tiny_eng
     async with http_api(tiny_engine, prefix_cache_bytes=3 * slab, max_sessions=8) as s, s.client() as c:
         cache = s.http.serving.service.cache
         first = await c.completions.create(model=s.model, prompt=PROMPT, max_tokens=REPLY, temperature=0)
+        await settled(cache)
         assert (len(cache), cache.forks(), cache.kept_bytes()) == (2, 1, 2 * slab)  # A's fork and full session
+        assert list(cache._kept.values())[0].is_fork  # the fork just before its full session, in LRU order
         await c.completions.create(model=s.model, prompt=[7, 7, 7, 7], max_tokens=REPLY, temperature=0)
+        await settled(cache)
         assert (len(cache), cache.forks(), cache.kept_bytes()) == (3, 1, 3 * slab)  # A's fork went: the oldest
         assert _count("inference_engine_prefix_cache_evictions_total") == evictions + 1
         again = await c.completions.create(model=s.model, prompt=edit(PROMPT, ids(first.choices[0])),
@@ -106,6 +118,7 @@ async def test_no_fork_in_a_pool_live_sessions_fill(tiny_engine):
         cache = s.http.serving.service.cache
         await s.runtime.create_session(CreateSessionParams((), "live", 0, 0))  # 1 live + the request's own
         await c.completions.create(model=s.model, prompt=PROMPT, max_tokens=REPLY, temperature=0)
+        await settled(cache)
         assert _forks_kept() == forks and (len(cache), cache.forks()) == (1, 0)  # the last slab stays free
         await c.completions.create(model=s.model, prompt=PROMPT, max_tokens=2, temperature=0)  # short: no fork asked
         assert _forks_kept() == forks
@@ -140,3 +153,32 @@ async def test_a_fork_that_fails_or_is_not_wanted_is_never_kept(tiny_engine):
         assert _count("inference_engine_prefix_cache_forks_total", outcome="discarded") == discarded + 1
         assert (gone.session_id, draining.session_id, unwanted.session_id) == (None, None, None)
         assert len(service.cache) == 0 and [x.session_id for x in s.runtime.store.sessions()] == [made.session_id]
+
+
+async def test_a_reply_ends_without_its_fork_and_the_next_turn_waits_for_it(tiny_engine):
+    """The fork's build held open: the reply still ends (it does not wait for its fork), and the identity's
+    next turn waits for the fork, then is served from it; another identity's request does not wait."""
+    auth = Authenticator(TokenTable(list(TOKENS)))
+    async with http_api(tiny_engine, authenticator=auth, max_sessions=8) as s:
+        service = s.http.serving.service
+        real_fork, gate, built = service.transfer.fork, asyncio.Event(), asyncio.Event()
+
+        async def held_fork(*args, **kwargs):
+            made = await real_fork(*args, **kwargs)
+            built.set()
+            await gate.wait()
+            return made
+
+        service.transfer.fork = held_fork
+        async with s.client(api_key=TOKENS[0]) as a, s.client(api_key=TOKENS[1]) as b:
+            first = await asyncio.wait_for(  # a bound on a hang (an end that waited for its fork), not a measure
+                a.completions.create(model=s.model, prompt=PROMPT, max_tokens=REPLY, temperature=0), 60)
+            await built.wait()
+            assert service.cache.forks() == 0 and service.cache._building  # the reply ended, its fork is held
+            service.transfer.fork = real_fork
+            second = asyncio.ensure_future(a.completions.create(
+                model=s.model, prompt=edit(PROMPT, ids(first.choices[0])), max_tokens=2, temperature=0))
+            other = await b.completions.create(model=s.model, prompt=PROMPT, max_tokens=2, temperature=0)
+            assert other.usage.prompt_tokens_details.cached_tokens == 0 and not second.done()  # B did not wait
+            gate.set()
+            assert (await second).usage.prompt_tokens_details.cached_tokens == len(PROMPT)  # from A's fork

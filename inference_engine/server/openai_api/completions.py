@@ -107,9 +107,10 @@ class CompletionService:
         prompt = await self.prompt_tokens(job)
         session_id, cached = await self._open(job.owner, prompt)
         choices = [_Choice(0, session_id)]
-        fallback: FallbackFork | None = None
+        fallback = self._fallback_fork(job, session_id)  # set before its start: a cancel there still finishes it
         try:
-            fallback = await self._fallback_fork(job, session_id)
+            if fallback is not None:
+                await fallback.start(session_id)
             for i in range(1, job.n):
                 forked = await self.transfer.fork(session_id, job.owner)
                 choices.append(_Choice(i, forked.session_id))
@@ -133,29 +134,26 @@ class CompletionService:
                 await self._check_reply_reuse(job, prompt, choices[0])
             yield CompletionUsage(len(prompt), sum(len(c.tokens) for c in choices), cached)
         finally:
-            try:
-                if fallback is not None:
-                    await fallback.built()  # kept before the full session: older in LRU order
-            finally:
-                self._give_back(job.owner, [c.session_id for c in choices])
-                if fallback is not None:  # a reply within a rollback: the kept session serves the same prompt
-                    is_short = len(choices[0].tokens) <= self.cache.max_rollback and session_id in self.cache
-                    fallback.finish(is_wanted=not is_short)
+            self._give_back(job.owner, [c.session_id for c in choices])
+            if fallback is not None:  # a reply within a rollback: the kept session serves the same prompt
+                is_short = len(choices[0].tokens) <= self.cache.max_rollback and session_id in self.cache
+                fallback.finish(is_wanted=not is_short)
 
-    async def _fallback_fork(self, job: CompletionJob, session_id: str) -> FallbackFork | None:
-        """A fallback fork of the prompt, started (its state copied), if the reply may outgrow --max-rollback
-        and the cache has room (`PrefixCache.has_room_for_fork`); never under --no-prefix-cache-forks."""
+    def _fallback_fork(self, job: CompletionJob, session_id: str) -> FallbackFork | None:
+        """A fallback fork of the prompt (to start), if the reply may outgrow --max-rollback and the cache has
+        room (`PrefixCache.has_room_for_fork`); never under --no-prefix-cache-forks."""
         if not self.runtime.config.prefix_cache_forks or job.max_tokens <= self.cache.max_rollback:
             return None
         if not self.cache.has_room_for_fork(self.runtime.store.get(session_id, job.owner), others=job.n - 1):
             return None
-        fallback = FallbackFork(self.cache, self.transfer, job.owner, lambda: self.runtime.is_draining)
-        await fallback.start(session_id)
-        return fallback
+        return FallbackFork(self.cache, self.transfer, job.owner, lambda: self.runtime.is_draining)
 
     async def _open(self, owner: str, prompt: tuple[int, ...]) -> tuple[str, int]:
         """A session holding exactly `prompt`, and how many of its tokens the cache already held."""
-        hit = self.cache.take(owner, prompt) if self.cache.is_enabled else None
+        hit = None
+        if self.cache.is_enabled:
+            await self.cache.settled(owner)  # a fork the previous turn took may serve this one
+            hit = self.cache.take(owner, prompt)
         if hit is not None:
             try:
                 if hit.rollback:

@@ -5,10 +5,11 @@ tokens (re-tokenized, or edited by the client) near its start finds no usable fu
 fork, whose history is the prompt alone, serves that turn's prompt up to the reply (see
 prefix_cache.py for when one is taken and how it is evicted).
 
-Off the path to the first token: the request waits only until the engine thread has copied the
-prompt's state (`SessionTransfer.fork(taken=...)`); sealing and installing the copy (hashing it,
-a new slab) go on beside the reply's decoding, and the fork joins the cache when it is built (the
-request waits for that at its end, so the fork is older than the full session in LRU order).
+Off the request's path: it waits only until the engine thread has copied the prompt's state
+(`SessionTransfer.fork(taken=...)`); sealing and installing the copy (hashing it, a new slab) go
+on beside the reply's decoding, and the fork joins the cache when it is built, just before its
+request's full session in LRU order. The reply's end does not wait for it; the identity's next
+request does (`PrefixCache.settled`), since that turn is the one a fork serves.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from inference_engine import metrics
 from inference_engine.errors import RuntimeServiceError, SessionNotFound
 from inference_engine.runtime.session_transfer import SessionRestored, SessionTransfer
 from inference_engine.server.openai_api.prefix_cache import PrefixCache
+from inference_engine.short_id import short_id
 
 log = logging.getLogger(__name__)
 
@@ -41,14 +43,17 @@ class FallbackFork:
         self.owner = owner
         self.is_draining = is_draining
         self.session_id: str | None = None  # once built and kept
+        self._source: str | None = None  # the request's session (kept after the fork, when it ends)
         self._is_wanted = True
         self._task: asyncio.Future[SessionRestored] | None = None
 
     async def start(self, session_id: str) -> None:
         """Fork `session_id`; returns once its state is copied (or the fork failed): it may then generate."""
         taken = asyncio.Event()
+        self._source = session_id
         self._task = asyncio.ensure_future(self.transfer.fork(session_id, self.owner, taken))
         self._task.add_done_callback(self._built)
+        self.cache.building(self.owner, self._task)
         copied = asyncio.ensure_future(taken.wait())
         try:
             await asyncio.wait((copied, self._task), return_when=asyncio.FIRST_COMPLETED)
@@ -60,12 +65,15 @@ class FallbackFork:
             return
         if (exc := task.exception()) is not None:  # a fallback never fails its request
             level = logging.DEBUG if isinstance(exc, RuntimeServiceError) else logging.WARNING
-            log.log(level, "prefix cache: no fallback fork (%s: %s)", type(exc).__name__, exc)
+            # The type only: a service error's message may hold the session's full id.
+            log.log(level, "prefix cache: no fallback fork of session %s (%s)", short_id(self._source or ""),
+                    type(exc).__name__)
             return
         sid = task.result().session_id
-        metrics.PREFIX_CACHE_FORKS.labels("taken").inc()
-        if self._is_wanted and not self.is_draining() and self.cache.keep(sid, self.owner, is_fork=True):
+        if self._is_wanted and not self.is_draining() and self.cache.keep(sid, self.owner, is_fork=True,
+                                                                           before=self._source):
             self.session_id = sid
+            metrics.PREFIX_CACHE_FORKS.labels("taken").inc()
             return
         if not self._is_wanted:
             metrics.PREFIX_CACHE_FORKS.labels("discarded").inc()

@@ -23,9 +23,10 @@ prompt alone, which serves the next turn's prompt up to the reply. A fork is tak
 says the pool has room for it beside the live sessions with a slab to spare (never with the
 cache off, never in a pool live sessions fill), and it is discarded when the reply turns out
 short enough for the full session's rollback to serve the same prefix. Forks are ordinary
-entries: counted in --prefix-cache-bytes and evicted in the same LRU order. LRU rather than
-"forks first": a fork is kept when its prompt is ready and its full session when the reply
-ends, so a request's fork already goes before its full session; what LRU adds is that the
+entries: counted in --prefix-cache-bytes and evicted in the same LRU order, a request's fork just
+before its full session (`keep(..., before=)`: the fork may be built after the reply ended, which
+does not wait for it; the identity's next request does, `settled`). LRU rather than
+"forks first": a request's fork goes before its full session; what LRU adds is that the
 newest turn's fork outlives an older turn's full session, which a conversation that has moved
 on no longer extends (forks-first would evict the one fallback the next turn may need).
 
@@ -36,6 +37,7 @@ in the prompt, like a radix walk would be.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -93,6 +95,7 @@ class PrefixCache:
         self.max_bytes = max_bytes
         self.max_rollback = max_rollback
         self._kept: OrderedDict[str, _Entry] = OrderedDict()  # by session id, least recently used first
+        self._building: dict[str, set[asyncio.Future]] = {}  # forks being built, by identity
         store.evict_kept = self.evict_one
 
     @property
@@ -171,9 +174,28 @@ class PrefixCache:
         metrics.PREFIX_CACHE_TOKENS.inc(best.reused)
         return best
 
-    def keep(self, session_id: str, owner: str, is_fork: bool = False) -> bool:
-        """Keep a finished request's session, or a fallback fork (most recently used); False if it was
-        closed instead.
+    def building(self, owner: str, fork: asyncio.Future) -> None:
+        """`owner`'s fork being built (until `fork` is done): its next lookup waits for it (`settled`)."""
+        pending = self._building.setdefault(owner, set())
+        pending.add(fork)
+
+        def built(_: asyncio.Future) -> None:
+            pending.discard(fork)
+            if not pending and self._building.get(owner) is pending:
+                del self._building[owner]
+
+        fork.add_done_callback(built)
+
+    async def settled(self, owner: str) -> None:
+        """Wait until `owner`'s forks being built are kept or dropped (a turn sent right after the reply that
+        took one may need it); other identities never wait."""
+        pending = self._building.get(owner)
+        if pending:
+            await asyncio.wait(list(pending))
+
+    def keep(self, session_id: str, owner: str, is_fork: bool = False, before: str | None = None) -> bool:
+        """Keep a finished request's session, or a fallback fork (most recently used, or just older than the
+        kept session `before`: its request's full session); False if it was closed instead.
 
         Older entries are evicted to stay within the byte bound; a session over the bound alone
         is closed.
@@ -186,6 +208,8 @@ class PrefixCache:
             self._close(session_id, owner)
             return False
         self._kept[session_id] = _Entry(owner, is_fork)
+        if before in self._kept:
+            self._kept.move_to_end(before)
         while self.kept_bytes() > self.max_bytes and self.evict_one():
             pass
         return session_id in self._kept
