@@ -42,7 +42,7 @@ def _name(common_name: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
 
 
-def _subject_alt_names(host: str) -> list[x509.GeneralName]:
+def subject_alt_names(host: str) -> list[x509.GeneralName]:
     names: list[x509.GeneralName] = [x509.DNSName("localhost")]
     try:
         names.append(x509.IPAddress(ipaddress.ip_address(host.strip("[]"))))
@@ -62,8 +62,20 @@ def _certificate(subject: str, key: ec.EllipticCurvePrivateKey, issuer: x509.Nam
     return builder.sign(signer, hashes.SHA256())
 
 
-def _leaf(subject: str, ca: x509.Certificate, ca_key: ec.EllipticCurvePrivateKey, usage: x509.ObjectIdentifier,
-          *extensions: tuple[x509.ExtensionType, bool]) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+def make_ca(common_name: str) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    """A self-signed CA certificate (signs leaves only) and its key."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = _certificate(common_name, key, _name(common_name), key, (x509.BasicConstraints(ca=True, path_length=0), True),
+                        (x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
+                                       key_encipherment=False, data_encipherment=False, key_agreement=False,
+                                       encipher_only=False, decipher_only=False), True),
+                        (x509.SubjectKeyIdentifier.from_public_key(key.public_key()), False))
+    return cert, key
+
+
+def sign_leaf(subject: str, ca: x509.Certificate, ca_key: ec.EllipticCurvePrivateKey, usage: x509.ObjectIdentifier,
+              *extensions: tuple[x509.ExtensionType, bool]) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    """A new key and its certificate for `usage` (server or client auth), signed by `ca`."""
     key = ec.generate_private_key(ec.SECP256R1())
     cert = _certificate(subject, key, ca.subject, ca_key,
                         (x509.BasicConstraints(ca=False, path_length=None), True),
@@ -90,16 +102,10 @@ def make_spawn_pki(folder: Path, host: str) -> SpawnPki:
     Raises:
         OSError: a file cannot be written (or exists already).
     """
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca = _certificate("inference-engine spawned shard route CA", ca_key, _name("inference-engine spawned shard route CA"),
-                      ca_key, (x509.BasicConstraints(ca=True, path_length=0), True),
-                      (x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
-                                     key_encipherment=False, data_encipherment=False, key_agreement=False,
-                                     encipher_only=False, decipher_only=False), True),
-                      (x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), False))
-    worker, worker_key = _leaf("inference-engine shard worker", ca, ca_key, ExtendedKeyUsageOID.SERVER_AUTH,
-                               (x509.SubjectAlternativeName(_subject_alt_names(host)), False))
-    route, route_key = _leaf("inference-engine shard route", ca, ca_key, ExtendedKeyUsageOID.CLIENT_AUTH)
+    ca, ca_key = make_ca("inference-engine spawned shard route CA")
+    worker, worker_key = sign_leaf("inference-engine shard worker", ca, ca_key, ExtendedKeyUsageOID.SERVER_AUTH,
+                                   (x509.SubjectAlternativeName(subject_alt_names(host)), False))
+    route, route_key = sign_leaf("inference-engine shard route", ca, ca_key, ExtendedKeyUsageOID.CLIENT_AUTH)
     del ca_key  # nothing else will ever be signed by it
 
     def pem(cert: x509.Certificate) -> bytes:
