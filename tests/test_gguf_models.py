@@ -15,6 +15,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
+from inference_engine.config import default_cache_dir
 from inference_engine.model.forward import forward
 from inference_engine.model.gguf_model import SUPPORTED_TYPES
 from inference_engine.model.loader import load_gguf_model
@@ -82,7 +83,9 @@ def test_a_float_gguf_computes_its_folder_bitwise(tmp_path, name):
 def quantized_gemma(tmp_path_factory):
     path = tmp_path_factory.mktemp("gg") / "gemma.gguf"
     write_family_gguf("gemma3_text", path, _types(1))
-    served = load_served_model(str(path), "q4_1", tmp_path_factory.mktemp("cache"))
+    # The kernels this run already built and bound (a fresh cache dir would rebuild both, ~2 min CPU, and
+    # load a second copy of the extension: not what a server does; fresh builds are test_quant_kernel's).
+    served = load_served_model(str(path), "q4_1", default_cache_dir())
     e = assert_full_tile(Engine(served.loaded, exact=True, max_tile=16, plain_block=64, max_rollback=8))
     yield served, e, path
     e.close()

@@ -117,8 +117,12 @@ def test_whether_the_launcher_needs_its_openblas_reexec(kernel, tmp_path, monkey
     from inference_engine import __main__ as launcher
 
     assert quant_kernel.exact_kernels_built() and launcher._exact_kernels_built()  # built: no re-exec
+    library = Path(kernel.library)  # this run's exact-gemm library, as if built there (compiling it again: ~90 s CPU)
+    (tmp_path / "native").mkdir()
+    (tmp_path / "native" / library.name).symlink_to(library)
+    assert blas.build_kernel("exact_gemm", tmp_path) == tmp_path / "native" / library.name
     monkeypatch.setenv("CXX", "/nonexistent/c++")
-    assert not quant_kernel.exact_kernels_built(tmp_path)  # nothing built there, and no compiler
+    assert not quant_kernel.exact_kernels_built(tmp_path)  # the library there, no extension, and no C++ compiler
     monkeypatch.setattr(sys, "platform", "darwin")
     assert launcher._exact_kernels_built()  # nothing to re-exec for off Linux
 
