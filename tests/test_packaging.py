@@ -9,6 +9,7 @@ the reliability battery by [dev].
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.metadata as md
 import sys
 import tomllib
@@ -79,9 +80,10 @@ def _imports(path: Path) -> set[str]:
     return {n for n in names if n.split(".")[0] not in sys.stdlib_module_names and n.split(".")[0] != "inference_engine"}
 
 
+@functools.cache  # the same modules are imported by many files; scanning the installed files once each is enough
 def _owner(module: str) -> str:
     """The distribution whose files hold `module` (namespace packages such as `google` span several)."""
-    candidates = md.packages_distributions()[module.split(".")[0]]
+    candidates = _packages_distributions()[module.split(".")[0]]
     parts = tuple(module.split("."))
     for dist in candidates:
         for f in md.distribution(dist).files or ():
@@ -90,6 +92,12 @@ def _owner(module: str) -> str:
                                                 and stem[-1].split(".")[0] == parts[-1]):
                 return canonicalize_name(dist)
     return canonicalize_name(candidates[0])
+
+
+@functools.cache
+def _packages_distributions() -> dict[str, list[str]]:
+    """Top-level module -> the distributions that provide it (every installed distribution's files, read once)."""
+    return md.packages_distributions()
 
 
 def _installed_by(requirements: list[Requirement]) -> set[str]:
