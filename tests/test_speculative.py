@@ -16,6 +16,7 @@ from inference_engine.session.session_store import SessionStore
 from inference_engine.v1 import runtime_pb2 as pb
 from tests.conftest import running_server
 from tests.coordinator_helpers import append_alone
+from tests.draft_models import dequantized_q4_draft
 from tests.kernel_guard import assert_full_tile
 from tests.tiny_models import random_model
 
@@ -208,23 +209,10 @@ async def test_draft_mode_without_draft_model_is_failed_precondition(tiny):
 @pytest.mark.parametrize("drafter,sampling", [("lookup", "greedy"), ("lookup", "seeded"), ("draft", "greedy")])
 async def test_session_gates_real_model(real_model, real_model_path, drafter, sampling):
     """The gate battery on the packaged model (K=4, window wraps) on a prompt it copies, prompt lookup and the q4
-    draft model's weights, dequantized to fp32 (the drafts only need to come from another model: MLX's 4-bit
-    products cost ~0.17 s a row here, and each arm's draft cache catches up on the whole prompt; the q4 model
-    itself drafts on the real model in test_sampling_real_model.py, seeded, and test_constrained.py, greedy and
-    seeded; the target as its own draft model: test_session_gates_tiny; every combination: the script)."""
-    import dataclasses
-
-    import mlx.core as mx
-    from mlx.utils import tree_map
-    from mlx_lm.utils import dequantize_model
-
-    from inference_engine.model.loader import load_model
-
-    q4 = load_model(real_model_path.parent / "q4")
-    spec = dataclasses.replace(q4.spec, is_quantized=False)
-    draft = dataclasses.replace(q4, model=dequantize_model(q4.model), spec=spec)
-    draft.model.update(tree_map(lambda a: a.astype(mx.float32), draft.model.parameters()))  # its scales are fp16
-    mx.eval(draft.model.parameters())  # here, not lazily on the engine's thread
+    draft model's weights in fp32 (tests/draft_models.py: the q4 model itself drafts on the real model in
+    test_sampling_real_model.py and test_constrained.py; the target as its own draft model: test_session_gates_tiny;
+    every combination: the script)."""
+    draft = dequantized_q4_draft(real_model_path)
     engine = assert_full_tile(Engine(real_model, exact=True, max_tile=16, plain_block=64, max_rollback=8, draft=draft))
     tok = real_model.tokenizer
     text = tok.apply_chat_template([{"role": "user", "content": spec_gate.PROMPT_TEXT}], add_generation_prompt=True, tokenize=False)
