@@ -1,4 +1,4 @@
-"""The ShardEngine contract: every engine must pass these (subclass with `make_engine`).
+"""The shard engine contract: every engine must pass these (subclass with `make_engine`).
 
 Run on the tiny 2-layer model split head [0, 1) / tail [1, 2); a chain of engines must
 reproduce the single-process SinkWindowVerifier bit for bit, across chunk edges, window
@@ -13,7 +13,7 @@ import pytest
 from inference_engine.errors import InvalidRequest, InvariantViolation, PoolExhausted, SessionNotFound
 from inference_engine.shard.protocol.errors import WorkCancelled
 from inference_engine.shard.protocol.types import LayerRange, ShardWork
-from inference_engine.shard.worker.engine import ShardEngine
+from inference_engine.shard.worker.mlx_engine import MlxShardEngine
 from inference_engine.execution.kv_cache import CacheGeometry
 from tests.shard_helpers import GEOMETRY, chain_differences, ref_block, reference, run_chain
 
@@ -25,12 +25,12 @@ PATTERNS = {"mixed": [7, 1, 3, 10, 1, 1, 5, 9], "singles": [1] * 14, "one-block"
 class ShardEngineContract:
     """Reusable contract test; subclasses define `make_engine`."""
 
-    def make_engine(self, model, layers: LayerRange, **limits) -> ShardEngine:
+    def make_engine(self, model, layers: LayerRange, **limits) -> MlxShardEngine:
         """An unloaded engine for `layers` of `model` with block 4 and `limits` (max_sessions, ...)."""
         raise NotImplementedError
 
     @pytest.fixture
-    def chain(self, tiny) -> list[ShardEngine]:
+    def chain(self, tiny) -> list[MlxShardEngine]:
         engines = [self.make_engine(tiny.model, LayerRange(0, 1)), self.make_engine(tiny.model, LayerRange(1, 2))]
         for e in engines:
             e.load()

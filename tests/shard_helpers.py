@@ -13,7 +13,7 @@ import pytest
 
 from inference_engine.readiness import wait_ready
 from inference_engine.shard.protocol.types import ShardWork
-from inference_engine.shard.worker.engine import ShardEngine
+from inference_engine.shard.worker.mlx_engine import MlxShardEngine
 from inference_engine.shard.worker.servicer import ShardRuntimeServicer, start_shard_server
 from inference_engine.v1 import shard_runtime_pb2 as pb
 from inference_engine.v1 import shard_runtime_pb2_grpc as pb_grpc
@@ -27,7 +27,7 @@ GEOMETRY = CacheGeometry(sink=2, window=5, max_block=4, max_rollback=4)
 
 @contextlib.asynccontextmanager
 async def shard_server(
-    engine: ShardEngine, max_credits: int = 8,
+    engine: MlxShardEngine, max_credits: int = 8,
 ) -> AsyncIterator[tuple[pb_grpc.ShardRuntimeStub, str, ShardRuntimeServicer]]:
     """A real grpc.aio ShardRuntime server on 127.0.0.1:0; yields a stub, its address and the servicer."""
     server, port, servicer = await start_shard_server(engine, "127.0.0.1", 0, max_credits=max_credits)
@@ -42,7 +42,7 @@ async def shard_server(
         servicer.close()
 
 
-def run_chain(chain: list[ShardEngine], sid: str, work_id: int, position: int, tokens: list[int],
+def run_chain(chain: list[MlxShardEngine], sid: str, work_id: int, position: int, tokens: list[int],
               all_logits: bool = True, decode: bool = False) -> np.ndarray:
     """Push a block through engines head..tail in-process; returns the tail's logits."""
     hidden = None
@@ -68,7 +68,7 @@ def ref_block(v: SinkWindowVerifier, tokens: list[int], all_logits: bool = True,
     return out
 
 
-def chain_differences(chain: list[ShardEngine], loaded, sid: str, tokens: list[int], sizes: list[int]) -> list[int]:
+def chain_differences(chain: list[MlxShardEngine], loaded, sid: str, tokens: list[int], sizes: list[int]) -> list[int]:
     """Feed `tokens` in blocks of `sizes` through `chain` (session `sid`, opened) and through the single process.
 
     The route-vs-single-process comparison of the contract: every third block asks for the last

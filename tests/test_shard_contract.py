@@ -1,4 +1,4 @@
-"""The ShardEngine contract, run against the MLX engine and the fault injector (faults off)."""
+"""The shard engine contract, run against the MLX engine and the fault injector (faults off)."""
 
 from inference_engine.shard.worker.mlx_engine import MlxShardEngine
 from tests.fixtures.fault_config import FaultConfig

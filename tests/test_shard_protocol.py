@@ -10,7 +10,6 @@ import pytest
 from inference_engine.shard.protocol.tensor_codec import decode_tensor, encode_tensor
 from inference_engine.shard.protocol.types import LayerRange
 from inference_engine.shard.worker import session_stream
-from inference_engine.shard.worker.engine import ShardEngine
 from inference_engine.shard.worker.mlx_engine import MlxShardEngine
 from inference_engine.v1 import shard_runtime_pb2 as pb
 from inference_engine.execution.kv_cache import CacheGeometry
@@ -26,7 +25,7 @@ def _engine(tiny, layers=LayerRange(0, 2), **kw) -> MlxShardEngine:
     return MlxShardEngine(tiny.model, layers, block=4, max_rollback=4, **kw)
 
 
-def _faulty(tiny, layers=LayerRange(0, 2), **faults) -> ShardEngine:
+def _faulty(tiny, layers=LayerRange(0, 2), **faults) -> MlxShardEngine:
     return FaultInjectingEngine(_engine(tiny, layers), FaultConfig(**faults))
 
 

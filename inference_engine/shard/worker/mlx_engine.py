@@ -9,6 +9,10 @@ sessions waiting at once (`step_many`) share one batched forward, as the front s
 do: each weight is read once for all their rows, and each row's bits stay its session's
 alone (row-invariant products, per-row attention). This file adds only what a worker
 checks: its sessions' positions, inputs, cancels and broken state.
+
+The one engine (a TEST FIXTURE wraps it to inject faults; `tests/shard_contract.py` checks both).
+All calls run on the worker's engine thread but `cancel`, `health`, `metrics`, `capabilities`
+(any thread, never blocking on running work).
 """
 
 from __future__ import annotations
@@ -38,7 +42,6 @@ from inference_engine.shard.protocol.types import (
     ShardWork,
     StepItem,
 )
-from inference_engine.shard.worker.engine import ShardEngine
 from inference_engine.execution.executor import Block, LocalBackend, LocalExecutor
 from inference_engine.execution.kv_cache import CacheGeometry, SinkWindowKVCache
 from inference_engine.execution.tile_probe import fp32_mismatches, probe_tile
@@ -65,8 +68,12 @@ class _Session:
         return self.executor.offset
 
 
-class MlxShardEngine(ShardEngine):
-    """Blocks [start, end) of one MLX llama-family model, for many sessions."""
+class MlxShardEngine:
+    """Blocks [start, end) of one MLX llama-family model, for many sessions.
+
+    Every call naming a session raises SessionNotFound if it is not open; those naming a
+    `position` (the frame's expectation) raise InvariantViolation if it is not the session's.
+    """
 
     def __init__(
         self,
@@ -105,6 +112,12 @@ class MlxShardEngine(ShardEngine):
     # -- lifecycle -------------------------------------------------------------------
 
     def load(self) -> None:
+        """Load weights and fix the tile; idempotent. Must precede every other call.
+
+        Raises:
+            ValueError: the layer range does not fit the model.
+            InvariantViolation: no block size is bit-exact on this BLAS.
+        """
         if self._caps is not None:
             return
         model = load_weights(self._source)[0] if isinstance(self._source, Path) else self._source
@@ -142,9 +155,7 @@ class MlxShardEngine(ShardEngine):
         )
 
     def capabilities(self) -> ShardCapabilities:
-        return self._ready()
-
-    def _ready(self) -> ShardCapabilities:
+        """Layer range, sizes and limits (constant after `load`; InvariantViolation before it)."""
         if self._caps is None:
             raise InvariantViolation("the shard engine is not loaded; call load() first")
         return self._caps
@@ -152,7 +163,13 @@ class MlxShardEngine(ShardEngine):
     # -- sessions --------------------------------------------------------------------
 
     def open_session(self, session_id: str, geometry: CacheGeometry) -> None:
-        caps = self._ready()
+        """Allocate a session's caches for this engine's layers, at position 0.
+
+        Raises:
+            InvalidRequest: the id is in use, or the geometry exceeds the capabilities.
+            PoolExhausted: no room for another session.
+        """
+        caps = self.capabilities()
         checks = {
             "sink": (geometry.sink, 0, caps.max_sink),
             "window": (geometry.window, 1, caps.max_window),
@@ -171,10 +188,16 @@ class MlxShardEngine(ShardEngine):
             self._sessions[session_id] = _Session(geometry, executor)
 
     def release(self, session_id: str) -> bool:
+        """Free the session's caches. Returns whether it existed."""
         with self._lock:
             return self._sessions.pop(session_id, None) is not None
 
     def cancel(self, session_id: str, work_id: int | None = None) -> bool:
+        """Cancel one work item (running now or started later) or, with None, the session.
+
+        A cancelled item stops at its next chunk boundary with WorkCancelled; a cancelled
+        session refuses all further work. Returns whether the session exists.
+        """
         s = self._sessions.get(session_id)
         if s is None:
             return False
@@ -197,9 +220,25 @@ class MlxShardEngine(ShardEngine):
     # -- compute ---------------------------------------------------------------------
 
     def prefill(self, session_id: str, work: ShardWork) -> ShardOutput:
+        """Compute a block of rows at the session's next positions and keep them in the cache.
+
+        Rows run in chunks of the session's `max_block`, exactly as `forward.forward` does,
+        so a route of engines reproduces the single-process result bit for bit.
+
+        Returns:
+            (rows, hidden) activations; the tail returns (rows, vocab) logits if
+            `work.all_logits`, else (1, vocab) for the last row.
+        Raises:
+            InvalidRequest: the input does not fit this engine (tokens at the head, hidden
+                of width hidden_size elsewhere, token ids below vocab_size, rows >= 1).
+            InvariantViolation: `work.position` is not the session's position, or the
+                session is broken (an earlier failure left its cache unusable).
+            WorkCancelled: the item or the session was cancelled; the cache is as before.
+        """
         return self._one(StepItem(session_id, work, is_decode=False))
 
     def decode(self, session_id: str, work: ShardWork) -> ShardOutput:
+        """`prefill` for exactly one row (InvalidRequest for more)."""
         return self._one(StepItem(session_id, work, is_decode=True))
 
     def _one(self, item: StepItem) -> ShardOutput:
@@ -218,6 +257,11 @@ class MlxShardEngine(ShardEngine):
         return s
 
     def trim(self, session_id: str, n: int, position: int) -> int:
+        """Drop the session's last n positions (speculative rollback); returns the new position.
+
+        Raises:
+            InvariantViolation: n exceeds max_rollback or the position.
+        """
         s = self._at(session_id, position, "trim")
         allowed = min(s.geometry.max_rollback, s.position)
         if not 0 <= n <= allowed:
@@ -226,14 +270,24 @@ class MlxShardEngine(ShardEngine):
         return s.position
 
     def layer_digests(self, session_id: str, position: int) -> list[bytes]:
+        """SHA-256 of each block's cached K/V (`SinkWindowKVCache.digest`), in layer order: a route's,
+        head first, equal a single process's over the same tokens."""
         return self._at(session_id, position, "digest").executor.layer_digests()
 
     def export_kv(self, session_id: str, position: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per block, in layer order, a copy of its retained (keys, values), (n_kv, n, head_dim) each
+        (`SinkWindowKVCache.canonical_state`: what `layer_digests` hashes)."""
         s = self._at(session_id, position, "K/V export")
         return [(np.array(k), np.array(v)) for k, v in (c.canonical_state() for c in s.cache)]
 
     def import_kv(self, session_id: str, position: int, target: int,
                   layers: list[tuple[np.ndarray, np.ndarray]]) -> int:
+        """Load retained K/V (as `export_kv` returns it) into a fresh session; returns its new position `target`.
+
+        Raises:
+            InvariantViolation: the session is not at 0.
+            InvalidRequest: the tensors do not fit this engine's blocks at `target` (count, shape, dtype).
+        """
         s = self._at(session_id, position, "K/V import")
         if position != 0:
             raise InvariantViolation(f"K/V import at position {position}: an import loads a session just opened, at 0")
@@ -248,7 +302,7 @@ class MlxShardEngine(ShardEngine):
         return s.position
 
     def _check_input(self, s: _Session, work: ShardWork) -> None:
-        caps = self._ready()
+        caps = self.capabilities()
         if work.position != s.position:
             raise InvariantViolation(f"block at position {work.position}, but the session is at {s.position}")
         if caps.is_head:
@@ -287,15 +341,20 @@ class MlxShardEngine(ShardEngine):
         return s, Block(s.executor, tokens, work.all_logits, None if self._caps.is_head else work.hidden, before_chunk)
 
     def step_many(self, items: Sequence[StepItem]) -> list[ShardOutput | BaseException]:
-        """The items in as few backend forwards as the tile allows: the first of each session that fits
-        together (one chunk each) in one, the rest alone, after, in order.
+        """The blocks of several sessions, each as `decode` / `prefill` would compute it, in as few
+        backend forwards as the tile allows: the first of each session that fits together (one chunk
+        each) in one, the rest alone, after, in order.
+
+        Returns:
+            Per item, its output or the exception `decode` / `prefill` would have raised for it
+            (one item's failure never stops the others).
 
         An item refused by its checks (unknown, broken or cancelled session, wrong position, bad
         input) gets its exception and stays out. A failed block's session is back where it was
         (`LocalExecutor.abandon`); a failure other than a cancel still breaks it (its worker's
         copy may disagree with the others of the route).
         """
-        caps = self._ready()
+        caps = self.capabilities()
         results: list[ShardOutput | BaseException | None] = [None] * len(items)
         together: list[int] = []
         rows, taken = 0, set()
@@ -310,8 +369,11 @@ class MlxShardEngine(ShardEngine):
         if len(together) > 1:  # (one item alone: `prefill` / `decode`, as ever)
             self._run(items, together, results)
         alone = [i for i in range(len(items)) if i not in together or len(together) == 1]
-        for i, out in zip(alone, super().step_many([items[i] for i in alone])):
-            results[i] = out
+        for i in alone:
+            try:
+                results[i] = (self.decode if items[i].is_decode else self.prefill)(items[i].session_id, items[i].work)
+            except Exception as exc:  # noqa: BLE001 - that item's answer
+                results[i] = exc
         return results  # type: ignore[return-value] - every slot is filled
 
     def _run(self, items: Sequence[StepItem], group: list[int], results: list) -> None:
@@ -355,12 +417,14 @@ class MlxShardEngine(ShardEngine):
     # -- observability ---------------------------------------------------------------
 
     def health(self) -> ShardHealth:
+        """Whether work is accepted (cheap, thread-safe)."""
         n = len(self._sessions)
         if self._caps is None:
             return ShardHealth(False, "not loaded", n)
         return ShardHealth(True, f"layers {self.layers} of {self._caps.model_name}, block {self._caps.max_block}", n)
 
     def metrics(self) -> ShardMetrics:
+        """Counters since start (thread-safe)."""
         with self._lock:
             kv = sum(c.nbytes for s in self._sessions.values() for c in s.cache)
             return ShardMetrics(len(self._sessions), kv, self._steps, self._rows, self._busy_s, self._forwards)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from inference_engine.blas import active_blas
 from inference_engine.gc_freeze import freeze_startup_objects
@@ -20,15 +20,17 @@ from inference_engine.served_model import (
     is_gguf_file, load_q4_1_model, load_served_model, q4_1_unavailable, release_start_up_memory, use_native_kernels,
 )
 from inference_engine.shard.worker.config import ShardWorkerConfig, worker_config_from_args
-from inference_engine.shard.worker.engine import ShardEngine
+
+if TYPE_CHECKING:
+    from inference_engine.shard.worker.mlx_engine import MlxShardEngine
 
 log = logging.getLogger(__name__)
 
 
-EngineWrapper = Callable[[ShardEngine], ShardEngine]
+EngineWrapper = Callable[["MlxShardEngine"], "MlxShardEngine"]  # the test fixture's fault injector
 
 
-def build_engine(cfg: ShardWorkerConfig) -> ShardEngine:
+def build_engine(cfg: ShardWorkerConfig) -> MlxShardEngine:
     """The worker's engine, loaded (weights read, tile probed unless `cfg.block` is set)."""
     from inference_engine.shard.worker.mlx_engine import MlxShardEngine
 
@@ -46,7 +48,7 @@ def build_engine(cfg: ShardWorkerConfig) -> ShardEngine:
         else:
             source, weights = load_q4_1_model(cfg.model, cfg.cache_dir).model, "q4_1"
     log.info("loading layers %s of %s (%s)", cfg.layers, path, weights)
-    engine: ShardEngine = MlxShardEngine(
+    engine = MlxShardEngine(
         source, cfg.layers, block=cfg.block, max_tile=cfg.max_tile, max_rollback=cfg.max_rollback,
         max_sessions=cfg.max_sessions, max_sink=cfg.max_sink, max_window=cfg.max_window, name=path.name,
     )

@@ -20,7 +20,7 @@ from inference_engine.shard.protocol.types import ShardOutput, StepItem
 from inference_engine.shard.protocol.wire import (
     CHANNEL_OPTIONS, capability_msg, check, error_frame, frame_header, health_msg, step_of,
 )
-from inference_engine.shard.worker.engine import ShardEngine
+from inference_engine.shard.worker.mlx_engine import MlxShardEngine
 from inference_engine.shard.worker.route_table import RouteTable
 from inference_engine.shard.worker.session_stream import SessionStream
 from inference_engine.v1 import shard_runtime_pb2 as pb
@@ -41,10 +41,10 @@ def _no_jobs() -> Backend:
 class ShardRuntimeServicer(pb_grpc.ShardRuntimeServicer):
     """Converts and validates shard frames; runs the engine on its own thread."""
 
-    def __init__(self, engine: ShardEngine, max_credits: int = 8, default_credits: int = 4):
+    def __init__(self, engine: MlxShardEngine, max_credits: int = 8, default_credits: int = 4):
         """
         Args:
-            engine: a loaded ShardEngine.
+            engine: a loaded MlxShardEngine.
             max_credits: most work frames a session may have in flight.
             default_credits: credits of a session that asks for 0.
         """
@@ -124,7 +124,7 @@ class ShardRuntimeServicer(pb_grpc.ShardRuntimeServicer):
         self.thread.close()
 
 
-async def start_shard_server(engine: ShardEngine, host: str, port: int, max_credits: int = 8,
+async def start_shard_server(engine: MlxShardEngine, host: str, port: int, max_credits: int = 8,
                              security: ServerSecurity | None = None) -> tuple[grpc.aio.Server, int, ShardRuntimeServicer]:
     """Load `engine` (if needed) and serve it on host:port.
 

@@ -46,7 +46,7 @@ from inference_engine.shard.protocol.wire import (
     step_result,
     work_of,
 )
-from inference_engine.shard.worker.engine import ShardEngine
+from inference_engine.shard.worker.mlx_engine import MlxShardEngine
 from inference_engine.shard.worker.route_table import RouteTable
 from inference_engine.status_codes import abort_shard
 from inference_engine.v1 import shard_runtime_pb2 as pb
@@ -81,7 +81,7 @@ class _Admitted:
 class SessionStream:
     """One route session bound to one Session RPC on a worker."""
 
-    def __init__(self, engine: ShardEngine, thread: Scheduler, batcher: BatchQueue[StepItem, ShardOutput], routes: RouteTable,
+    def __init__(self, engine: MlxShardEngine, thread: Scheduler, batcher: BatchQueue[StepItem, ShardOutput], routes: RouteTable,
                  context: grpc.aio.ServicerContext, max_credits: int, default_credits: int):
         self.engine, self.thread, self.batcher, self.routes, self.context = engine, thread, batcher, routes, context
         self.max_credits, self.default_credits = max_credits, default_credits
