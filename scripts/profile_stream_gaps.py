@@ -88,16 +88,22 @@ async def _beside(stub: pb_grpc.RuntimeServiceStub, target: str, n: int) -> list
 
 def split(arrived: list[float], events: dict[str, list[float]]) -> list[dict[str, float]]:
     """Each gap (ms) and its components, from the server's events around each token."""
-    def before(kind: str, t: float) -> float:
-        return events[kind][bisect.bisect_right(events[kind], t) - 1]
+    def before(kind: str, t: float) -> float | None:  # the last event of `kind` at or before t (None: none)
+        i = bisect.bisect_right(events[kind], t) - 1
+        return events[kind][i] if i >= 0 else None
 
-    def after(kind: str, t: float) -> float:
-        return events[kind][bisect.bisect_left(events[kind], t)]
+    def after(kind: str, t: float) -> float | None:  # the first event of `kind` at or after t (None: none)
+        i = bisect.bisect_left(events[kind], t)
+        return events[kind][i] if i < len(events[kind]) else None
 
     rows = []
     for prev, now in zip(arrived[1:], arrived[2:]):
         hand, hand_prev = before("H", now), before("H", prev)
+        if hand is None or hand_prev is None:
+            continue  # a token the trace does not cover (before its first event): not split
         posted, started = before("P", hand), after("S", hand_prev)
+        if posted is None or started is None:
+            continue
         rows.append({"gap": now - prev, "wake": started - hand_prev, "step": posted - started, "hand": hand - posted,
                      "client": (now - hand) - (prev - hand_prev)})
     return [{k: round(v * 1e3, 2) for k, v in r.items()} for r in rows]
@@ -108,12 +114,16 @@ async def main(rounds: int, tokens: int, flags: list[str]) -> dict:
         site, trace = Path(tmp) / "site", Path(tmp) / "trace.txt"
         site.mkdir()
         (site / "sitecustomize.py").write_text(TRACER)
-        os.environ.update(PYTHONPATH=os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
-                          STREAM_GAP_TRACE=str(trace))
+        saved = os.environ.get("PYTHONPATH")
+        os.environ.update(PYTHONPATH=os.pathsep.join([str(site), saved or ""]), STREAM_GAP_TRACE=str(trace))
         try:
             server = await ServerProcess.start(flags, Path(tmp) / "server.log")
-        finally:
+        finally:  # only the server is traced: the Tokenize client started later is not
             del os.environ["STREAM_GAP_TRACE"]
+            if saved is None:
+                del os.environ["PYTHONPATH"]
+            else:
+                os.environ["PYTHONPATH"] = saved
         phases = []
         try:
             async with open_channel(server.target) as channel:

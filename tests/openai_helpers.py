@@ -46,6 +46,12 @@ async def http_api(engine: Engine, authenticator: Authenticator | None = None, *
         close_every_session(runtime)
 
 
+async def forks_settled(s: Served) -> None:
+    """Wait until every fallback fork being built is kept or closed: forks land beside the requests that took
+    them (a reply's end does not wait), so pool accounting is read after them (a bound on a hang: 60 s)."""
+    await s.http.serving.service.cache.forks_built(60.0)
+
+
 def close_every_session(runtime: Runtime) -> None:
     """Close every session of `runtime` and free what is idle (the shared engine's slabs)."""
     for session in runtime.store.sessions():

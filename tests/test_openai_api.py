@@ -19,7 +19,7 @@ from inference_engine.runtime.types import CreateSessionParams
 from inference_engine.security.authenticator import Authenticator
 from inference_engine.security.tokens import TokenTable
 from inference_engine.server.openai_api.observer import MAX_BODY_BYTES
-from tests.openai_helpers import http_api
+from tests.openai_helpers import forks_settled, http_api
 
 PROMPT = [5, 17, 42, 99, 3]
 TOKENS = ("tenant-a-" + "a" * 32, "tenant-b-" + "b" * 32)
@@ -280,6 +280,7 @@ async def test_fuzzed_bodies_never_500(tiny_engine):
         assert 400 in statuses
         r = await h.post("/completions", json={"model": s.model, "prompt": PROMPT, "max_tokens": 2})
         assert r.status_code == 200  # the pool is intact
+        await forks_settled(s)  # bodies asking for more than --max-rollback tokens took fallback forks
         sessions = s.runtime.store.sessions()  # only kept sessions remain, none busy, nothing reserved
         assert len(sessions) == len(s.http.serving.service.cache) == s.runtime.store.slabs_in_use
         assert not any(x.is_busy for x in sessions)

@@ -8,7 +8,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.openai_helpers import http_api
+from tests.openai_helpers import forks_settled, http_api
 
 pytestmark = pytest.mark.real_model
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
@@ -47,6 +47,7 @@ async def test_response_format_json_schema_and_json_object(real_engine):
                                             response_format={"type": "json_object"})
         text = r.choices[0].message.content  # any object: the model may go on past max_tokens
         assert isinstance(json.loads(text), dict) if r.choices[0].finish_reason == "stop" else text.startswith("{")
+        await forks_settled(s)  # the replies' fallback forks, kept or closed
         held = s.runtime.store.slabs_in_use  # sessions the prefix cache kept
         with pytest.raises(openai.BadRequestError) as err:
             await c.chat.completions.create(model=s.model, messages=messages, response_format={

@@ -182,3 +182,48 @@ async def test_a_reply_ends_without_its_fork_and_the_next_turn_waits_for_it(tiny
             assert other.usage.prompt_tokens_details.cached_tokens == 0 and not second.done()  # B did not wait
             gate.set()
             assert (await second).usage.prompt_tokens_details.cached_tokens == len(PROMPT)  # from A's fork
+
+
+async def test_a_fork_landing_late_goes_just_before_its_session_only(tiny_engine):
+    """A's fork built after A's and then B's request ended: LRU order is [A's fork, A, B], B still the newest."""
+    async with http_api(tiny_engine, max_sessions=8) as s:
+        cache = s.http.serving.service.cache
+        made = [(await s.runtime.create_session(CreateSessionParams((), "t", 0, 0))).session_id for _ in range(3)]
+        session_a, session_b, fork_a = made
+        assert cache.keep(session_a, ANONYMOUS) and cache.keep(session_b, ANONYMOUS)
+        assert cache.keep(fork_a, ANONYMOUS, is_fork=True, before=session_a)
+        assert list(cache._kept) == [fork_a, session_a, session_b]
+
+
+async def test_only_an_ended_requests_fork_holds_the_next_lookup_and_not_for_ever(tiny_engine, monkeypatch):
+    """A fork of a request still decoding holds no other request of its identity (every unauthenticated
+    client shares one); once its request ended it does, for at most SETTLE_TIMEOUT_S."""
+    async with http_api(tiny_engine, max_sessions=8) as s:
+        service = s.http.serving.service
+        real_fork, gate = service.transfer.fork, asyncio.Event()
+
+        async def held_fork(*args, **kwargs):
+            made = await real_fork(*args, **kwargs)
+            await gate.wait()
+            return made
+
+        service.transfer.fork = held_fork
+        async with s.client() as c:
+            stream = await c.completions.create(model=s.model, prompt=PROMPT, max_tokens=REPLY, temperature=0,
+                                                stream=True)
+            chunks = stream.__aiter__()
+            await chunks.__anext__()  # the reply decodes, its fork is held
+            assert not service.cache._building  # nobody waits for it yet
+            other = await asyncio.wait_for(  # a bound on a hang, not a measure
+                c.completions.create(model=s.model, prompt=[9, 9, 9], max_tokens=2, temperature=0), 60)
+            assert other.usage.completion_tokens == 2
+            async for _ in chunks:  # the reply ends: now its fork holds the identity's next lookup
+                pass
+            assert service.cache._building
+            monkeypatch.setattr("inference_engine.server.openai_api.prefix_cache.SETTLE_TIMEOUT_S", 0.05)
+            late = await asyncio.wait_for(  # the fork never lands in time: the lookup goes on without it
+                c.completions.create(model=s.model, prompt=[9, 9, 9, 9], max_tokens=2, temperature=0), 60)
+            assert late.usage.completion_tokens == 2 and service.cache._building
+            gate.set()
+            await settled(service.cache)
+        assert service.cache.forks() <= 1

@@ -14,6 +14,7 @@ import threading
 
 import pytest
 
+from inference_engine.runtime import session_transfer
 from inference_engine.runtime.session_transfer import SnapshotParams
 from inference_engine.runtime.types import AppendParams, CreateSessionParams
 from inference_engine.security.settings import ANONYMOUS
@@ -61,27 +62,69 @@ def _limits(slab: int) -> dict[str, int]:
     return dict(max_sessions=2, max_kv_bytes=2 * slab, prefix_cache_bytes=2 * slab)
 
 
+async def _hold(engine, entered: threading.Event, gate: threading.Event) -> None:
+    """Hold the engine thread (`entered` set once it is) until `gate` is set."""
+    await engine.run(lambda: (entered.set(), gate.wait()))
+
+
 async def _slab(engine) -> int:
     async with http_api(engine) as s:
         return s.runtime.store.get(await _prefilled(s)).kv_bytes
 
 
-@pytest.mark.parametrize("when", ["sealing", "installing"])
-async def test_a_fork_cancelled_while_it_runs_leaves_nothing_behind(tiny_engine, when):
+@pytest.mark.parametrize("when", ["sealing", "installing", "installing, cancelled twice"])
+async def test_a_fork_cancelled_while_it_runs_leaves_nothing_behind(tiny_engine, when, monkeypatch):
     async with http_api(tiny_engine, **_limits(await _slab(tiny_engine))) as s:
         source = await _prefilled(s)
         fork = _fork(s)
+        engine, loop = s.runtime.engine, asyncio.get_running_loop()
+        entered, gate, closed = threading.Event(), threading.Event(), threading.Event()
+        held: list[asyncio.Future] = []
+        if when == "sealing":  # the copy's hashing held: the cancel comes while the fork waits for it
+            real_seal = session_transfer.seal
+
+            def held_seal(copied):
+                entered.set()
+                gate.wait()
+                return real_seal(copied)
+
+            monkeypatch.setattr(session_transfer, "seal", held_seal)
+        else:  # the engine thread held once the slab is prepared: the fork's install call waits in its queue
+            real_prepare = engine.prepare_session
+
+            def prepare_then_hold(*args):
+                prepared = real_prepare(*args)
+                hold = asyncio.run_coroutine_threadsafe(_hold(engine, entered, gate), loop)
+                held.append(asyncio.wrap_future(hold, loop=loop))
+                entered.wait()  # the hold runs on the engine thread: the install is queued behind it
+                return prepared
+
+            monkeypatch.setattr(engine, "prepare_session", prepare_then_hold)
+            real_install = session_transfer.install
+
+            def recording_install(*args):  # the coordinator the cancelled install builds, and whether it is closed
+                made = real_install(*args)
+                real_close = made.close
+                made.close = lambda: (closed.set(), real_close())
+                return made
+
+            monkeypatch.setattr(session_transfer, "install", recording_install)
         await fork.start(source)  # the state is copied: the task goes on sealing it
-        entered, gate = threading.Event(), threading.Event()
-        if when == "installing":  # the engine thread held: the fork's install call waits in its queue
-            held = asyncio.ensure_future(s.runtime.engine.run(lambda: (entered.set(), gate.wait())))
-            while not (entered.is_set() and s.runtime.engine.scheduler._calls):
-                await asyncio.sleep(0.001)
+        while not entered.is_set() or (when != "sealing" and not engine.scheduler._calls):
+            await asyncio.sleep(0.001)
         fork._task.cancel()
-        gate.set()  # the install runs (a cancelled call still completes): the slab it built is freed
+        if when.endswith("twice"):  # again, while the cancelled install waits for its call to complete
+            for _ in range(5):
+                await asyncio.sleep(0)
+            fork._task.cancel()
+        gate.set()  # the seal or the install runs (a cancelled call still completes): what it built is freed
         await fork.built()
-        if when == "installing":
-            await held
+        if held:
+            await held[0]
+            deadline = loop.time() + SETTLE_S
+            while not closed.is_set():  # the install completes on the engine thread, then its slab is freed
+                assert loop.time() < deadline, "the cancelled install's coordinator was never closed"
+                await asyncio.sleep(0.01)
         assert fork.session_id is None and fork._task.cancelled()
         assert_accounted(s, source)
         assert len(s.runtime.store.sessions()) == 1
@@ -119,12 +162,21 @@ async def test_the_source_closed_under_a_fork_ends_whole_or_dropped(tiny_engine,
         source = await _prefilled(s)
         want = await _digest(s, source)
         fork = _fork(s)
+        entered, gate = threading.Event(), threading.Event()
+        if when == "while":  # the engine thread held, so the fork's capture call waits in its queue
+            held = asyncio.ensure_future(s.runtime.engine.run(lambda: (entered.set(), gate.wait())))
+            while not entered.is_set():
+                await asyncio.sleep(0.001)
         started = asyncio.ensure_future(fork.start(source))
         if when == "while":
-            await asyncio.sleep(0)  # the fork has asked the engine thread for the copy
+            while not s.runtime.engine.scheduler._calls:  # the capture is queued: the source closes under it
+                await asyncio.sleep(0.001)
         elif when == "after":
             await started
         s.runtime.store.close(source)
+        gate.set()
+        if when == "while":
+            await held
         await started
         await fork.built()
         if when == "before":

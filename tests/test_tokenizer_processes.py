@@ -157,6 +157,25 @@ def test_a_call_racing_a_discarded_pool_is_unavailable(tokenizer):
         processes.close()
 
 
+def _fails_in_the_worker() -> None:
+    raise RuntimeError("the worker's own failure")
+
+
+def test_a_workers_own_runtime_error_is_not_taken_for_a_lost_pool(tokenizer):
+    """A RuntimeError raised by the worker's code stays itself, even when the pool was replaced meanwhile
+    (the old mapping read that as a shut pool: TokenizerUnavailable)."""
+    processes = TokenizerProcesses(tokenizer.backend_tokenizer, THRESHOLD)
+    try:
+        pool = processes._executor()
+        processes._executor = lambda: pool
+        processes._pool = None  # another call replaced it while this one ran
+        with pytest.raises(RuntimeError, match="the worker's own failure"):
+            processes._call("encode", _fails_in_the_worker)
+    finally:
+        pool.shutdown()
+        processes.close()
+
+
 WORKER_OF_A_KILLED_SERVER = """
 import os, signal, sys
 from tokenizers import Tokenizer

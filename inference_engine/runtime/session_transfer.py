@@ -112,6 +112,12 @@ class SessionRestored:
 
 
 @functools.lru_cache(maxsize=4)
+def _close_unwanted(built: asyncio.Future[Any]) -> None:
+    """A done install whose caller was cancelled: close the coordinator it built (its slab, here or on a route)."""
+    if not built.cancelled() and built.exception() is None:
+        built.result().close()
+
+
 def vocabulary_digest(tokenizer: Any) -> str:
     """Hex SHA-256 of a tokenizer's vocabulary (token -> id), once per tokenizer object (~0.3 s)."""
     return hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode()).hexdigest()
@@ -299,9 +305,9 @@ class SessionTransfer:
         try:
             coordinator = await asyncio.shield(built)
         except asyncio.CancelledError:  # the install completes anyway (Scheduler.run): free its slab, here or on a route
-            await asyncio.wait((built,))
-            if not built.cancelled() and built.exception() is None:
-                built.result().close()
+            built.add_done_callback(_close_unwanted)  # also when this task is cancelled again while it waits
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait((built,))
             raise
         session = Session(session_id, coordinator, f.sink, f.window, snap.eos_token_ids, snap.client_label,
                           owner=owner, chat=snap.chat,  # the next chat turn renders as on the original

@@ -43,6 +43,13 @@ def _name(common_name: str) -> x509.Name:
 
 
 def subject_alt_names(host: str) -> list[x509.GeneralName]:
+    """The names a certificate for `host` answers to: localhost, and `host` as an IP address or a DNS name.
+
+    Args:
+        host: a host name, an IPv4 address, or an IPv6 address (bracketed or not).
+    Returns:
+        The subject alternative names to put in the certificate.
+    """
     names: list[x509.GeneralName] = [x509.DNSName("localhost")]
     try:
         names.append(x509.IPAddress(ipaddress.ip_address(host.strip("[]"))))
@@ -63,7 +70,13 @@ def _certificate(subject: str, key: ec.EllipticCurvePrivateKey, issuer: x509.Nam
 
 
 def make_ca(common_name: str) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
-    """A self-signed CA certificate (signs leaves only) and its key."""
+    """A self-signed CA certificate (signs leaves only) and its key.
+
+    Args:
+        common_name: the CA's subject (and issuer) common name.
+    Returns:
+        (certificate, private key), a new P-256 key.
+    """
     key = ec.generate_private_key(ec.SECP256R1())
     cert = _certificate(common_name, key, _name(common_name), key, (x509.BasicConstraints(ca=True, path_length=0), True),
                         (x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
@@ -75,7 +88,16 @@ def make_ca(common_name: str) -> tuple[x509.Certificate, ec.EllipticCurvePrivate
 
 def sign_leaf(subject: str, ca: x509.Certificate, ca_key: ec.EllipticCurvePrivateKey, usage: x509.ObjectIdentifier,
               *extensions: tuple[x509.ExtensionType, bool]) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
-    """A new key and its certificate for `usage` (server or client auth), signed by `ca`."""
+    """A new key and its certificate for `usage` (server or client auth), signed by `ca`.
+
+    Args:
+        subject: the leaf's common name.
+        ca, ca_key: the signing CA's certificate and key (`make_ca`).
+        usage: the extended key usage (ExtendedKeyUsageOID.SERVER_AUTH or CLIENT_AUTH).
+        extensions: more (extension, critical) pairs, e.g. the subject alternative names.
+    Returns:
+        (certificate, private key), a new P-256 key.
+    """
     key = ec.generate_private_key(ec.SECP256R1())
     cert = _certificate(subject, key, ca.subject, ca_key,
                         (x509.BasicConstraints(ca=False, path_length=None), True),

@@ -128,23 +128,27 @@ class TokenizerProcesses:
         with self._slots:
             pool = self._executor()
             try:
-                result = pool.submit(fn, *args).result(CALL_TIMEOUT_S)
+                future = pool.submit(fn, *args)
+            except RuntimeError as exc:  # submit refused: the pool was shut down under this call
+                raise self._pool_gone() from exc  # (the server's close, or replaced as broken by another call)
+            try:
+                result = future.result(CALL_TIMEOUT_S)  # a RuntimeError from here is the worker's own
             except (BrokenProcessPool, concurrent.futures.TimeoutError) as exc:
                 self._discard(pool)
                 why = "ended" if isinstance(exc, BrokenProcessPool) else f"answered nothing in {CALL_TIMEOUT_S:.0f} s"
                 raise TokenizerUnavailable(f"the tokenizer process {why} during the call; retry: a new one starts "
                                            "with the next call") from exc
-            except (concurrent.futures.CancelledError, RuntimeError) as exc:
-                # The pool was shut down under this call: at the server's close, or replaced after another
-                # call found it broken (`_discard`: submit refuses, queued futures are cancelled).
-                if self._is_closed:
-                    raise TokenizerUnavailable("the server is shutting down; retry against a live server") from exc
-                if self._pool is not pool or isinstance(exc, concurrent.futures.CancelledError):
-                    raise TokenizerUnavailable("the tokenizer process ended during the call; retry: a new one "
-                                               "starts with the next call") from exc
-                raise  # the worker's own error
+            except concurrent.futures.CancelledError as exc:  # queued when the pool was shut down (`_discard`, close)
+                raise self._pool_gone() from exc
         metrics.TOKENIZER_PROCESS_CALLS.labels(op).inc()
         return result
+
+    def _pool_gone(self) -> TokenizerUnavailable:
+        """The error for a call whose pool was shut down under it."""
+        if self._is_closed:
+            return TokenizerUnavailable("the server is shutting down; retry against a live server")
+        return TokenizerUnavailable("the tokenizer process ended during the call; retry: a new one starts with the "
+                                    "next call")
 
     def _executor(self) -> concurrent.futures.ProcessPoolExecutor:
         with self._lock:

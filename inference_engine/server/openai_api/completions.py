@@ -107,8 +107,9 @@ class CompletionService:
         prompt = await self.prompt_tokens(job)
         session_id, cached = await self._open(job.owner, prompt)
         choices = [_Choice(0, session_id)]
-        fallback = self._fallback_fork(job, session_id)  # set before its start: a cancel there still finishes it
+        fallback: FallbackFork | None = None
         try:
+            fallback = self._fallback_fork(job, session_id)  # set before its start: a cancel there still finishes it
             if fallback is not None:
                 await fallback.start(session_id)
             for i in range(1, job.n):

@@ -9,13 +9,16 @@ Off the request's path: it waits only until the engine thread has copied the pro
 (`SessionTransfer.fork(taken=...)`); sealing and installing the copy (hashing it, a new slab) go
 on beside the reply's decoding, and the fork joins the cache when it is built, just before its
 request's full session in LRU order. The reply's end does not wait for it; the identity's next
-request does (`PrefixCache.settled`), since that turn is the one a fork serves.
+request does (`PrefixCache.settled`, bounded), since that turn is the one a fork serves: the
+fork is tracked from its request's end, so concurrent requests of one identity (every
+unauthenticated client) never wait for each other's forks while they decode.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import traceback
 from typing import Callable
 
 from inference_engine import metrics
@@ -53,7 +56,7 @@ class FallbackFork:
         self._source = session_id
         self._task = asyncio.ensure_future(self.transfer.fork(session_id, self.owner, taken))
         self._task.add_done_callback(self._built)
-        self.cache.building(self.owner, self._task)
+        self.cache.fork_started(self._task)
         copied = asyncio.ensure_future(taken.wait())
         try:
             await asyncio.wait((copied, self._task), return_when=asyncio.FIRST_COMPLETED)
@@ -64,10 +67,11 @@ class FallbackFork:
         if task.cancelled():
             return
         if (exc := task.exception()) is not None:  # a fallback never fails its request
-            level = logging.DEBUG if isinstance(exc, RuntimeServiceError) else logging.WARNING
-            # The type only: a service error's message may hold the session's full id.
-            log.log(level, "prefix cache: no fallback fork of session %s (%s)", short_id(self._source or ""),
-                    type(exc).__name__)
+            # The type and, for a defect, the frames: no message (one may hold the session's full id).
+            is_expected = isinstance(exc, RuntimeServiceError)
+            frames = "" if is_expected else "\n" + "".join(traceback.format_tb(exc.__traceback__))
+            log.log(logging.DEBUG if is_expected else logging.WARNING, "prefix cache: no fallback fork of session "
+                    "%s (%s)%s", short_id(self._source or ""), type(exc).__name__, frames)
             return
         sid = task.result().session_id
         if self._is_wanted and not self.is_draining() and self.cache.keep(sid, self.owner, is_fork=True,
@@ -88,7 +92,14 @@ class FallbackFork:
             await asyncio.wait((self._task,))
 
     def finish(self, is_wanted: bool) -> None:
-        """The request ended: keep the fork, or close it (now, or when it is built) if it is not wanted."""
+        """The request ended: keep the fork, or close it (now, or when it is built) if it is not wanted.
+
+        A fork still being built holds its identity's next lookups until it is kept or closed (`track_fork`):
+        a wanted one may serve that turn, and an unwanted one is then gone from the pool, as it was when
+        the reply's end waited for it.
+        """
+        if self._task is not None and not self._task.done():
+            self.cache.track_fork(self.owner, self._task)
         if not is_wanted:
             self._is_wanted = False
             if self.session_id is not None and self.cache.discard(self.session_id):

@@ -124,4 +124,6 @@ class HttpFrontend:
             with contextlib.suppress(BaseException):
                 await self._task
         self._server = self._task = None
+        if self.state.serving is not None:  # forks still being built are closed as they land (draining)
+            await self.state.serving.service.cache.forks_built(max(0.1, grace_s))
         self.close_cache()

@@ -52,6 +52,7 @@ from inference_engine.session.session_store import SessionStore
 from inference_engine.short_id import short_id
 
 log = logging.getLogger(__name__)
+SETTLE_TIMEOUT_S = 30.0  # longest a lookup waits for its identity's fork builds (a hung one; one takes 0.2-0.5 s here)
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,8 @@ class PrefixCache:
         self.max_bytes = max_bytes
         self.max_rollback = max_rollback
         self._kept: OrderedDict[str, _Entry] = OrderedDict()  # by session id, least recently used first
-        self._building: dict[str, set[asyncio.Future]] = {}  # forks being built, by identity
+        self._building: dict[str, set[asyncio.Future]] = {}  # finished requests' forks being built, by identity
+        self._forks: set[asyncio.Future] = set()  # every fork being built (shutdown waits for them all)
         store.evict_kept = self.evict_one
 
     @property
@@ -174,12 +176,28 @@ class PrefixCache:
         metrics.PREFIX_CACHE_TOKENS.inc(best.reused)
         return best
 
-    def building(self, owner: str, fork: asyncio.Future) -> None:
-        """`owner`'s fork being built (until `fork` is done): its next lookup waits for it (`settled`)."""
+    def fork_started(self, fork: asyncio.Future[object]) -> None:
+        """A fork is being built: shutdown (`forks_built`) waits until it is kept or closed."""
+        self._forks.add(fork)
+        fork.add_done_callback(self._forks.discard)
+
+    async def forks_built(self, timeout_s: float) -> None:
+        """Wait at most `timeout_s` until every fork being built is kept or closed (shutdown, before `clear`:
+        a fork built while draining is closed, so none outlives the cache or reaches the engine after it)."""
+        if self._forks:
+            await asyncio.wait(list(self._forks), timeout=timeout_s)
+
+    def track_fork(self, owner: str, fork: asyncio.Future[object]) -> None:
+        """Hold `owner`'s next lookups (`settled`) until `fork`, a finished request's fork still being
+        built, is kept or closed: the identity's next turn is the one it may serve.
+
+        Only a request that ended calls it (`FallbackFork.finish`): the forks of requests still decoding
+        hold nobody, since no client sends the turn after a reply it has not yet seen.
+        """
         pending = self._building.setdefault(owner, set())
         pending.add(fork)
 
-        def built(_: asyncio.Future) -> None:
+        def built(_: asyncio.Future[object]) -> None:
             pending.discard(fork)
             if not pending and self._building.get(owner) is pending:
                 del self._building[owner]
@@ -187,11 +205,13 @@ class PrefixCache:
         fork.add_done_callback(built)
 
     async def settled(self, owner: str) -> None:
-        """Wait until `owner`'s forks being built are kept or dropped (a turn sent right after the reply that
-        took one may need it); other identities never wait."""
+        """Wait until `owner`'s tracked forks are kept or dropped, at most SETTLE_TIMEOUT_S: a fork that takes
+        longer is not waited for (the lookup goes on without it; the fork still joins the cache when
+        built). Other identities never wait.
+        """
         pending = self._building.get(owner)
         if pending:
-            await asyncio.wait(list(pending))
+            await asyncio.wait(list(pending), timeout=SETTLE_TIMEOUT_S)
 
     def keep(self, session_id: str, owner: str, is_fork: bool = False, before: str | None = None) -> bool:
         """Keep a finished request's session, or a fallback fork (most recently used, or just older than the
@@ -208,8 +228,10 @@ class PrefixCache:
             self._close(session_id, owner)
             return False
         self._kept[session_id] = _Entry(owner, is_fork)
-        if before in self._kept:
-            self._kept.move_to_end(before)
+        if before in self._kept and before != session_id:  # the fork just older than `before`, and only it:
+            keys = list(self._kept)
+            for key in keys[keys.index(before):-1]:  # `before` and the entries newer than it keep their order
+                self._kept.move_to_end(key)
         while self.kept_bytes() > self.max_bytes and self.evict_one():
             pass
         return session_id in self._kept
