@@ -25,6 +25,7 @@ from inference_engine.text.codec import TextCodec
 from inference_engine.text.tokenizer_processes import TokenizerProcesses
 from inference_engine.v1 import runtime_pb2 as pb
 from tests.conftest import running_server
+from tests.fixtures.failing_worker_call import fail_in_the_worker
 
 THRESHOLD = 256
 CJK = "漢字かな交じり文、日本語のテキスト。"
@@ -157,10 +158,6 @@ def test_a_call_racing_a_discarded_pool_is_unavailable(tokenizer):
         processes.close()
 
 
-def _fails_in_the_worker() -> None:
-    raise RuntimeError("the worker's own failure")
-
-
 def test_a_workers_own_runtime_error_is_not_taken_for_a_lost_pool(tokenizer):
     """A RuntimeError raised by the worker's code stays itself, even when the pool was replaced meanwhile
     (the old mapping read that as a shut pool: TokenizerUnavailable)."""
@@ -170,7 +167,7 @@ def test_a_workers_own_runtime_error_is_not_taken_for_a_lost_pool(tokenizer):
         processes._executor = lambda: pool
         processes._pool = None  # another call replaced it while this one ran
         with pytest.raises(RuntimeError, match="the worker's own failure"):
-            processes._call("encode", _fails_in_the_worker)
+            processes._call("encode", fail_in_the_worker)
     finally:
         pool.shutdown()
         processes.close()
