@@ -362,3 +362,18 @@ async def test_a_snapshot_folder_that_fails_at_call_time_is_failed_precondition(
         folder.unlink()  # removed meanwhile: made again
         (msg,) = [m async for m in stub.SnapshotSession(pb.SnapshotSessionRequest(session_id=sid, to_dir=True))]
         assert [p.name for p in folder.iterdir()] == [msg.file]
+
+
+def test_the_vocabulary_digest_is_computed_once_per_tokenizer():
+    """~0.3 s per call on a real vocabulary: a snapshot's fingerprint must not pay it each time."""
+    from inference_engine.runtime.session_transfer import vocabulary_digest
+
+    class Vocab:  # counts the reads of its vocabulary
+        reads = 0
+
+        def get_vocab(self):
+            Vocab.reads += 1
+            return {"a": 0, "b": 1}
+
+    tokenizer = Vocab()
+    assert vocabulary_digest(tokenizer) == vocabulary_digest(tokenizer) and Vocab.reads == 1

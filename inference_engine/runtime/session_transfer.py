@@ -111,13 +111,13 @@ class SessionRestored:
     window: int  # its window tokens
 
 
-@functools.lru_cache(maxsize=4)
 def _close_unwanted(built: asyncio.Future[Any]) -> None:
     """A done install whose caller was cancelled: close the coordinator it built (its slab, here or on a route)."""
     if not built.cancelled() and built.exception() is None:
         built.result().close()
 
 
+@functools.lru_cache(maxsize=4)
 def vocabulary_digest(tokenizer: Any) -> str:
     """Hex SHA-256 of a tokenizer's vocabulary (token -> id), once per tokenizer object (~0.3 s)."""
     return hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode()).hexdigest()

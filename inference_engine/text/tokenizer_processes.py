@@ -136,18 +136,17 @@ class TokenizerProcesses:
             except (BrokenProcessPool, concurrent.futures.TimeoutError) as exc:
                 self._discard(pool)
                 why = "ended" if isinstance(exc, BrokenProcessPool) else f"answered nothing in {CALL_TIMEOUT_S:.0f} s"
-                raise TokenizerUnavailable(f"the tokenizer process {why} during the call; retry: a new one starts "
-                                           "with the next call") from exc
+                raise self._pool_gone(why) from exc
             except concurrent.futures.CancelledError as exc:  # queued when the pool was shut down (`_discard`, close)
                 raise self._pool_gone() from exc
         metrics.TOKENIZER_PROCESS_CALLS.labels(op).inc()
         return result
 
-    def _pool_gone(self) -> TokenizerUnavailable:
-        """The error for a call whose pool was shut down under it."""
+    def _pool_gone(self, why: str = "ended") -> TokenizerUnavailable:
+        """The error for a call whose pool died, hung (`why`) or was shut down under it."""
         if self._is_closed:
             return TokenizerUnavailable("the server is shutting down; retry against a live server")
-        return TokenizerUnavailable("the tokenizer process ended during the call; retry: a new one starts with the "
+        return TokenizerUnavailable(f"the tokenizer process {why} during the call; retry: a new one starts with the "
                                     "next call")
 
     def _executor(self) -> concurrent.futures.ProcessPoolExecutor:
