@@ -104,6 +104,28 @@ def test_a_dead_worker_is_a_typed_error_then_a_new_worker(tokenizer):
         processes.close()
 
 
+def test_a_worker_that_died_idle_is_replaced_after_one_refused_call(tokenizer):
+    """A worker killed between calls, its death seen by the pool before the next submit: that call is
+    UNAVAILABLE and the one after works (the old code kept the broken pool: every later call refused)."""
+    processes = TokenizerProcesses(tokenizer.backend_tokenizer, THRESHOLD)
+    try:
+        text = CJK * 100
+        expected = processes.encode(text, False)
+        pool = processes._pool
+        (dead,) = processes.pids
+        os.kill(dead, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while not pool._broken and time.monotonic() < deadline:  # the pool's own thread notices the death
+            time.sleep(0.01)
+        assert pool._broken
+        with pytest.raises(TokenizerUnavailable, match="tokenizer process ended during the call; retry"):
+            processes.encode(text, False)  # refused by the broken pool's submit
+        assert processes.encode(text, False) == expected
+        assert processes.pids and dead not in processes.pids
+    finally:
+        processes.close()
+
+
 def test_close_joins_the_workers_and_refuses_later_calls(tokenizer):
     processes = TokenizerProcesses(tokenizer.backend_tokenizer, THRESHOLD)
     processes.encode(CJK * 100, False)
@@ -222,6 +244,25 @@ async def test_tokenize_rpcs_through_the_processes(real_engine, tokenizer):
         pids = runtime.text.processes.pids
         assert pids
     assert all(_is_gone(p) for p in pids)
+
+
+async def test_a_large_tokenize_never_holds_its_ids_in_the_server(real_engine, tokenizer, monkeypatch):
+    """A large text's Tokenize response is serialized in the worker: the server builds no ids list
+    (the old servicer called `encode`, then built the message from the list, on its own GIL)."""
+    text = (CJK * 200)[:2000]
+    expected = tokenizer.encode(text, add_special_tokens=True)
+
+    def no_ids(*args):
+        raise AssertionError("the server built a large text's ids")
+
+    async with running_server(real_engine, text_process_chars=THRESHOLD) as (stub, runtime):
+        monkeypatch.setattr(TokenizerProcesses, "encode", no_ids)
+        before = _calls("encode")
+        reply = await stub.Tokenize(pb.TokenizeRequest(text=text, add_special_tokens=True))
+        assert list(reply.tokens) == expected and reply.text == text
+        assert _calls("encode") == before + 1
+        small = await stub.Tokenize(pb.TokenizeRequest(text=text[:50]))  # in-process, a message as before
+        assert list(small.tokens) == tokenizer.encode(text[:50], add_special_tokens=False) and small.text == text[:50]
 
 
 def test_the_threshold_flag():

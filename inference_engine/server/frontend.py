@@ -26,9 +26,9 @@ from inference_engine.server.decode_guard import DecodeGuard
 from inference_engine.server.error_details import abort_with
 from inference_engine.server.health import RUNTIME_SERVICE, HealthReporter
 from inference_engine.server.rpc_observer import RpcObserver
+from inference_engine.server.service_registration import add_runtime_service
 from inference_engine.server.servicer import RuntimeServicer
 from inference_engine.server.transfer_servicer import TransferServicer
-from inference_engine.v1 import runtime_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
@@ -83,7 +83,7 @@ async def open_frontend(cfg: ServerConfig, host: str, port: int) -> Frontend:
     interceptors.append(DecodeGuard())
     server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
     servicer = TransferServicer(identify=authenticator.identity_of)  # RuntimeServicer + the snapshot RPCs
-    pb_grpc.add_RuntimeServiceServicer_to_server(servicer, server)
+    add_runtime_service(servicer, server)  # the generated registration; Tokenize may answer bytes
     health = HealthReporter()
     await health.set_serving(False)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

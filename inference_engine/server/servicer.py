@@ -144,18 +144,21 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
 
     @_mapped
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext,
-                       owner: str) -> pb.TokenizeResponse:
+                       owner: str) -> bytes:
+        """The response comes serialized (sent as is: `service_registration`): a large text's ids are
+        serialized in a tokenizer process, so this process never builds them (issue 28, defect 3)."""
         what = convert.tokenize_input(self.validate, request)
         codec = require(self.runtime.text)
 
-        def tokenize() -> tuple[list[int], str]:  # off the event loop: templates and long texts take a while
+        def tokenize() -> bytes:  # off the event loop: templates and long texts take a while
             if isinstance(what, ChatInput):
-                text = codec.render(what.messages, what.add_generation_prompt)
-                return codec.encode(text), text
-            return codec.encode(what.text, request.add_special_tokens), what.text
+                text, special = codec.render(what.messages, what.add_generation_prompt), False
+            else:
+                text, special = what.text, request.add_special_tokens
+            tokens = codec.encode_serialized(text, special, pb.TokenizeResponse, "tokens")
+            return tokens + pb.TokenizeResponse(text=text).SerializeToString()  # fields concatenate
 
-        tokens, text = await run_text(tokenize)  # a text thread, below the engine's priority
-        return pb.TokenizeResponse(tokens=tokens, text=text)
+        return await run_text(tokenize)  # a text thread, below the engine's priority
 
     @_mapped
     async def Detokenize(self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext,

@@ -70,6 +70,18 @@ class TextCodec:
         (encoding,) = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)  # GIL released
         return list(encoding.ids)
 
+    def encode_serialized(self, text: str, add_special_tokens: bool, message: type, field: str) -> bytes:
+        """`message(field=encode(text))`, serialized: for a caller that only sends the ids on.
+
+        A large text's message is built in a tokenizer process, so this process never holds its ids.
+
+        Raises:
+            TokenizerUnavailable: a large text's tokenizer process died (retry) or is shut down.
+        """
+        if self.processes is not None and self.processes.is_large(len(text)):
+            return self.processes.encode_serialized(text, add_special_tokens, message, field)
+        return message(**{field: self.encode(text, add_special_tokens)}).SerializeToString()
+
     def decode(self, tokens: Sequence[int], skip_special_tokens: bool = False) -> str:
         """Text of `tokens` (special tokens as their text unless skipped).
 

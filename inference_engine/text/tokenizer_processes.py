@@ -15,7 +15,10 @@ process's CPU per maximal text: scripts/tokenizer_process_cpu.py):
   memory stays MAX_LARGE_TEXTS x (a text's bytes + its ids' 4 bytes each) beyond the processes'
   own ~85 MiB each (RSS after a maximal text);
 - answering with ids packed as int32 bytes (one copy to unpickle, not one object per token; the
-  list is built on the calling text thread, ~1 ms for a maximal text).
+  list is built on the calling text thread, ~1 ms for a maximal text), or, for a caller that only
+  sends them on (Tokenize), as a message already serialized (`encode_serialized`): this process
+  then never holds the ids at all (no list, no message built from it: ~4 ms of its GIL and CPU
+  less per maximal text).
 A worker that dies (or answers nothing in CALL_TIMEOUT_S) fails its calls with TokenizerUnavailable
 (UNAVAILABLE: retry) and the pool is replaced on the next call; `close()` lets running calls
 finish and joins the workers; a worker whose server died without closing it exits within
@@ -74,6 +77,12 @@ def _encode(text: str, add_special_tokens: bool) -> bytes:  # pragma: no cover -
     return array(_IDS, encoding.ids).tobytes()
 
 
+def _encode_serialized(text: str, add_special_tokens: bool, message: type, field: str) -> bytes:  # pragma: no cover
+    """In a worker: `message(field=the ids of text)`, serialized (runs in the worker process)."""
+    (encoding,) = _tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)
+    return message(**{field: encoding.ids}).SerializeToString()
+
+
 def _decode(packed: bytes, skip_special_tokens: bool) -> str:  # pragma: no cover - runs in the worker process
     """In a worker: the text of packed ids."""
     (text,) = _tokenizer.decode_batch([array(_IDS, packed).tolist()], skip_special_tokens=skip_special_tokens)
@@ -115,6 +124,15 @@ class TokenizerProcesses:
         packed = self._call("encode", _encode, text, add_special_tokens)
         return array(_IDS, packed).tolist()
 
+    def encode_serialized(self, text: str, add_special_tokens: bool, message: type, field: str) -> bytes:
+        """`message(field=the ids of text)` serialized, built in a worker (`message`: a protobuf class,
+        pickled by reference, whose `field` is a repeated integer).
+
+        Raises:
+            TokenizerUnavailable: the worker died, or the pool is closed.
+        """
+        return self._call("encode", _encode_serialized, text, add_special_tokens, message, field)
+
     def decode(self, tokens: Sequence[int], skip_special_tokens: bool) -> str:
         """Text of `tokens`, from a worker.
 
@@ -129,6 +147,9 @@ class TokenizerProcesses:
             pool = self._executor()
             try:
                 future = pool.submit(fn, *args)
+            except BrokenProcessPool as exc:  # a worker died while idle, and the pool saw it first
+                self._discard(pool)  # (kept, every later call would be refused by it: replace it)
+                raise self._pool_gone() from exc
             except RuntimeError as exc:  # submit refused: the pool was shut down under this call
                 raise self._pool_gone() from exc  # (the server's close, or replaced as broken by another call)
             try:
