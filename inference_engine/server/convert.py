@@ -29,8 +29,9 @@ def chat_messages(v: Validator, field: str, messages: Sequence[pb.ChatMessage]) 
     v.length(field, len(messages))
     for m in messages:
         v.length("ChatMessage.role", len(m.role), "characters")
-    v.length(f"{field}.content", sum(len(m.content) for m in messages), "characters of content together")
-    return tuple(ChatMessage(m.role, m.content) for m in messages)
+    read = tuple(ChatMessage(m.role, m.content) for m in messages)  # each content read once (see append_params)
+    v.length(f"{field}.content", sum(len(m.content) for m in read), "characters of content together")
+    return read
 
 
 def append_params(v: Validator, r: pb.AppendTokensRequest) -> AppendParams:
@@ -41,15 +42,16 @@ def append_params(v: Validator, r: pb.AppendTokensRequest) -> AppendParams:
     """
     sid = v.session_id(r.session_id)
     expected = r.expected_history_length if r.HasField("expected_history_length") else None
-    given = v.one_of("AppendTokensRequest", {"tokens": len(r.tokens) > 0, "text": r.text != "",
+    text = r.text  # read once: each read decodes the whole field anew (~0.4 ms of the GIL for 64 Ki CJK characters)
+    given = v.one_of("AppendTokensRequest", {"tokens": len(r.tokens) > 0, "text": text != "",
                                              "messages": len(r.messages) > 0})
     if r.add_generation_prompt and given != "messages":
         raise InvalidRequest("AppendTokensRequest.add_generation_prompt applies to messages only", "add_generation_prompt")
     if given == "tokens":
         return AppendParams(sid, v.items("AppendTokensRequest.tokens", list(r.tokens)), expected_history_length=expected)
     if given == "text":
-        v.length("AppendTokensRequest.text", len(r.text), "characters")
-        return AppendParams(sid, (), TextInput(r.text), expected_history_length=expected)
+        v.length("AppendTokensRequest.text", len(text), "characters")
+        return AppendParams(sid, (), TextInput(text), expected_history_length=expected)
     messages = chat_messages(v, "AppendTokensRequest.messages", r.messages)
     return AppendParams(sid, (), ChatInput(messages, r.add_generation_prompt), expected_history_length=expected)
 
@@ -143,7 +145,8 @@ def tokenize_input(v: Validator, r: pb.TokenizeRequest) -> TextInput | ChatInput
     Raises:
         InvalidRequest: both text and messages; a flag that does not apply; a bound is broken.
     """
-    if r.text and r.messages:
+    text = r.text  # read once (see append_params)
+    if text and r.messages:
         raise InvalidRequest("TokenizeRequest needs exactly one of text, messages; got text and messages", "text,messages")
     if r.messages:
         if r.add_special_tokens:
@@ -152,8 +155,8 @@ def tokenize_input(v: Validator, r: pb.TokenizeRequest) -> TextInput | ChatInput
         return ChatInput(chat_messages(v, "TokenizeRequest.messages", r.messages), r.add_generation_prompt)
     if r.add_generation_prompt:
         raise InvalidRequest("TokenizeRequest.add_generation_prompt applies to messages only", "add_generation_prompt")
-    v.length("TokenizeRequest.text", len(r.text), "characters")
-    return TextInput(r.text)
+    v.length("TokenizeRequest.text", len(text), "characters")
+    return TextInput(text)
 
 
 def model_info_response(i: ModelInfo) -> pb.GetModelInfoResponse:
