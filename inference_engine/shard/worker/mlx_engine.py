@@ -53,8 +53,7 @@ _NUMPY_DTYPE = {mx.float32: "float32", mx.float16: "float16"}
 class _Session:
     """One route session's caches on this engine."""
 
-    geometry: CacheGeometry  # shared by every worker of the route
-    executor: LocalExecutor  # one cache per block in [start, end)
+    executor: LocalExecutor  # one cache per block in [start, end), of the route's shared geometry
     is_cancelled: bool = False  # whole-session cancel: refuse all work
     broken: str = ""  # why the cache is unusable ("" = fine)
     cancelled_items: set[int] = field(default_factory=set)  # work ids to stop at a chunk boundary
@@ -185,7 +184,7 @@ class MlxShardEngine:
                 raise InvalidRequest(f"session {session_id!r} is already open on this worker")
             if len(self._sessions) >= caps.max_sessions:
                 raise PoolExhausted(f"all {caps.max_sessions} session slots of this worker are in use")
-            self._sessions[session_id] = _Session(geometry, executor)
+            self._sessions[session_id] = _Session(executor)
 
     def release(self, session_id: str) -> bool:
         """Free the session's caches. Returns whether it existed."""
@@ -263,7 +262,7 @@ class MlxShardEngine:
             InvariantViolation: n exceeds max_rollback or the position.
         """
         s = self._at(session_id, position, "trim")
-        allowed = min(s.geometry.max_rollback, s.position)
+        allowed = min(s.executor.geometry.max_rollback, s.position)
         if not 0 <= n <= allowed:
             raise InvariantViolation(f"cannot trim {n} positions; allowed 0..{allowed}")
         s.executor.trim(n)
@@ -361,7 +360,7 @@ class MlxShardEngine:
         for i, item in enumerate(items):
             n, s = item.work.rows, self._sessions.get(item.session_id)
             fits = item.session_id not in taken and rows + n <= caps.max_block  # one chunk, as a lone block's:
-            fits = fits and (s is None or n <= s.geometry.max_block)  # else its chunk loop runs it alone
+            fits = fits and (s is None or n <= s.executor.geometry.max_block)  # else its chunk loop runs it alone
             taken.add(item.session_id)  # its session's later items run after it, alone
             if fits:
                 together.append(i)
@@ -369,7 +368,7 @@ class MlxShardEngine:
         if len(together) > 1:  # (one item alone: `prefill` / `decode`, as ever)
             self._run(items, together, results)
         alone = [i for i in range(len(items)) if i not in together or len(together) == 1]
-        for i in alone:
+        for i in alone:  # through `decode` / `prefill`, so that a subclass overriding them is obeyed
             try:
                 results[i] = (self.decode if items[i].is_decode else self.prefill)(items[i].session_id, items[i].work)
             except Exception as exc:  # noqa: BLE001 - that item's answer

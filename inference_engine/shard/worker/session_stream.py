@@ -302,13 +302,10 @@ class SessionStream:
             self._queued.discard(step)
             if self._closing:
                 return
-            if step in self._cancelled:
-                self._cancelled.discard(step)
-                exc = WorkCancelled(f"work {step} was cancelled before it started")
-                self._answer(error_frame(exc, step, session_closed=False, flow=self._grant()), item.reply)
-                continue
             self._running = step
             try:
+                if step in self._cancelled:
+                    raise WorkCancelled(f"work {step} was cancelled before it started")
                 self._check_deadline(item.header.deadline_ns)
                 frame = await self._execute(item)
             except WorkCancelled as exc:
