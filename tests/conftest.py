@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import faulthandler
 import os
 import sys
+import threading
 from pathlib import Path
 from typing import AsyncIterator, Iterator
 
@@ -36,6 +38,42 @@ def pytest_configure(config: pytest.Config) -> None:
     if problem:
         raise pytest.UsageError(problem)
     _ARITHMETIC["path"] = path
+
+
+# A test (setup, call and teardown) still running after this long has hung: every thread's stack is
+# printed and the run ends (exit 1), instead of holding CI until its own limit with nothing said. The
+# slowest tests take ~2 min beside two busy loops (INFERENCE_ENGINE_TEST_HOG=2).
+TEST_TIMEOUT_S = float(os.environ.get("INFERENCE_ENGINE_TEST_TIMEOUT_S", "900"))
+
+
+def _run_stderr(config: pytest.Config) -> int:
+    """The stderr the run started with (pytest's fd capture holds fd 2 while a test runs)."""
+    capman = config.pluginmanager.getplugin("capturemanager")
+    saved = getattr(getattr(getattr(capman, "_global_capturing", None), "err", None), "targetfd_save", None)
+    return saved if isinstance(saved, int) else 2
+
+
+def _hung(nodeid: str, fd: int) -> None:
+    """The watchdog's end of a hung run: say which test, print every thread's stack, exit 1."""
+    os.write(fd, f"\n[watchdog] {nodeid} still running after {TEST_TIMEOUT_S:g} s "
+                 "(INFERENCE_ENGINE_TEST_TIMEOUT_S); every thread's stack:\n".encode())
+    faulthandler.dump_traceback(fd, all_threads=True)
+    os._exit(1)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """Arm the hang watchdog (`TEST_TIMEOUT_S`) around one test (its setup, call and teardown)."""
+    timer = None
+    if TEST_TIMEOUT_S > 0:
+        timer = threading.Timer(TEST_TIMEOUT_S, _hung, (item.nodeid, _run_stderr(item.config)))
+        timer.daemon, timer.name = True, "test-watchdog"
+        timer.start()
+    try:
+        yield
+    finally:
+        if timer is not None:
+            timer.cancel()
 
 
 def pytest_report_header(config: pytest.Config) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import subprocess
 import sys
@@ -115,10 +116,12 @@ async def opened(stub: pb_grpc.ShardRuntimeStub, **kw: object) -> grpc.aio.Strea
     return call
 
 
-async def fails_closed(call: grpc.aio.StreamStreamCall, code: int, status: grpc.StatusCode) -> pb.ShardError:
-    """Read to the error frame that closes the session and the status that ends the stream."""
+async def fails_closed(call: grpc.aio.StreamStreamCall, code: int, status: grpc.StatusCode,
+                       timeout_s: float = 60.0) -> pb.ShardError:
+    """Read to the error frame that closes the session and the status that ends the stream (each read
+    within `timeout_s`: a worker that never fails the session fails the test, never hangs it)."""
     while True:
-        reply = await call.read()
+        reply = await asyncio.wait_for(call.read(), timeout_s)
         assert reply is not grpc.aio.EOF, "stream ended without an error frame"
         if reply.HasField("error") and reply.error.session_closed:
             break
