@@ -79,14 +79,16 @@ def test_route_table_remembers_a_bounded_number_of_ids():
     for rsid in ("a", "b", "c"):
         table.admit(_Stream(rsid, 5))
     for rsid in ("a", "b", "c"):
-        table.remove(table.live(rsid, 5))
+        table.remove(table.live(rsid, 5, "Release"))
     with pytest.raises(EpochStale):
         table.admit(_Stream("c", 4))
     table.admit(_Stream("a", 4))  # "a" was forgotten: its old epoch is no longer known
     assert [s.route_session_id for s in table.all_live()] == ["a"]
     stale = _Stream("a", 3)
     table.remove(stale)  # not the live one: no-op
-    assert table.live("a", 4) is not None
+    assert table.live("a", 4, "Release") is not None
+    with pytest.raises(EpochStale, match="^a Batch entry for 'a' at route epoch 3, but epoch 4 is current"):
+        table.live("a", 3, "a Batch entry")
 
 
 async def test_unbindable_address_is_an_os_error(tiny):

@@ -102,13 +102,14 @@ class RouteTable(Generic[SessionStream]):
         self._remember(self._epochs, rsid, epoch)
         return False, True
 
-    def live(self, rsid: str, epoch: int) -> SessionStream | None:
-        """The live stream of this session at exactly this epoch, if any.
+    def live(self, rsid: str, epoch: int, what: str) -> SessionStream | None:
+        """The live stream of this session at exactly this epoch, if any (`what`: the caller's request,
+        named by a stale-epoch error).
 
         Raises:
             EpochStale: a newer epoch of this route session is current.
         """
-        self._check_epoch(rsid, epoch, "Release")
+        self._check_epoch(rsid, epoch, what)
         stream = self._live.get(rsid)
         return stream if stream is not None and stream.epoch == epoch else None
 

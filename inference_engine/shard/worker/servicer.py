@@ -86,7 +86,7 @@ class ShardRuntimeServicer(pb_grpc.ShardRuntimeServicer):
                 raise InvalidRequest(f"a Batch entry carries a chunk or decode frame, not {kind or 'nothing'}")
             check("route_session_id#", len(entry.route_session_id))
             epoch = frame_header(frame).epoch
-            stream = self.routes.live(entry.route_session_id, epoch)
+            stream = self.routes.live(entry.route_session_id, epoch, "a Batch entry")
             if stream is None:
                 raise SessionNotFound(f"route session {entry.route_session_id!r} is not open here at route epoch {epoch}")
         except Exception as exc:  # noqa: BLE001 - answered in the entry's place; the batch goes on
@@ -106,7 +106,7 @@ class ShardRuntimeServicer(pb_grpc.ShardRuntimeServicer):
     async def Release(self, request: pb.ShardReleaseRequest,
                       context: grpc.aio.ServicerContext) -> pb.ShardReleaseResponse:
         check("route_session_id#", len(request.route_session_id))
-        stream = self.routes.live(request.route_session_id, check("route_epoch", request.route_epoch))
+        stream = self.routes.live(request.route_session_id, check("route_epoch", request.route_epoch), "Release")
         if stream is None:
             return pb.ShardReleaseResponse(existed=False)
         stream.release()
