@@ -6,8 +6,10 @@ import contextlib
 import dataclasses
 import faulthandler
 import os
+import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import AsyncIterator, Iterator
 
@@ -40,10 +42,14 @@ def pytest_configure(config: pytest.Config) -> None:
     _ARITHMETIC["path"] = path
 
 
-# A test (setup, call and teardown) still running after this long has hung: every thread's stack is
-# printed and the run ends (exit 1), instead of holding CI until its own limit with nothing said. The
-# slowest tests take ~2 min beside two busy loops (INFERENCE_ENGINE_TEST_HOG=2).
-TEST_TIMEOUT_S = float(os.environ.get("INFERENCE_ENGINE_TEST_TIMEOUT_S", "900"))
+# A test (setup, call and teardown) still running after this long has hung: the run's stderr gets its
+# name and every thread's stack, the main thread a SIGINT (pytest stops there, teardowns run: servers
+# are stopped), and the process exits WATCHDOG_GRACE_S later if it is still there, instead of holding
+# CI until its own limit with nothing said. Above every test's own inner timeouts (the install tests
+# chain 600 s steps); the slowest tests take a few minutes beside two busy loops.
+TEST_TIMEOUT_S = float(os.environ.get("INFERENCE_ENGINE_TEST_TIMEOUT_S", "1800"))
+WATCHDOG_GRACE_S = 60.0  # after the SIGINT, for teardowns
+BACKSTOP_S = 30.0  # faulthandler's own C timer, later still: it fires even while a hung C call holds the GIL
 
 
 def _run_stderr(config: pytest.Config) -> int:
@@ -54,26 +60,33 @@ def _run_stderr(config: pytest.Config) -> int:
 
 
 def _hung(nodeid: str, fd: int) -> None:
-    """The watchdog's end of a hung run: say which test, print every thread's stack, exit 1."""
+    """The watchdog's end of a hung test: say which, print every thread's stack, interrupt the run."""
     os.write(fd, f"\n[watchdog] {nodeid} still running after {TEST_TIMEOUT_S:g} s "
                  "(INFERENCE_ENGINE_TEST_TIMEOUT_S); every thread's stack:\n".encode())
     faulthandler.dump_traceback(fd, all_threads=True)
+    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+    time.sleep(WATCHDOG_GRACE_S)
+    os.write(fd, b"[watchdog] the run did not stop after the interrupt; exiting\n")
     os._exit(1)
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
-    """Arm the hang watchdog (`TEST_TIMEOUT_S`) around one test (its setup, call and teardown)."""
+    """Arm the hang watchdog (`TEST_TIMEOUT_S`) around one test (its setup, call and teardown); not
+    under --pdb, where a developer may sit at a breakpoint."""
     timer = None
-    if TEST_TIMEOUT_S > 0:
-        timer = threading.Timer(TEST_TIMEOUT_S, _hung, (item.nodeid, _run_stderr(item.config)))
+    if TEST_TIMEOUT_S > 0 and not item.config.option.usepdb:
+        fd = _run_stderr(item.config)
+        timer = threading.Timer(TEST_TIMEOUT_S, _hung, (item.nodeid, fd))
         timer.daemon, timer.name = True, "test-watchdog"
         timer.start()
+        faulthandler.dump_traceback_later(TEST_TIMEOUT_S + WATCHDOG_GRACE_S + BACKSTOP_S, exit=True, file=fd)
     try:
         yield
     finally:
         if timer is not None:
             timer.cancel()
+            faulthandler.cancel_dump_traceback_later()
 
 
 def pytest_report_header(config: pytest.Config) -> str:

@@ -118,17 +118,18 @@ async def opened(stub: pb_grpc.ShardRuntimeStub, **kw: object) -> grpc.aio.Strea
 
 async def fails_closed(call: grpc.aio.StreamStreamCall, code: int, status: grpc.StatusCode,
                        timeout_s: float = 60.0) -> pb.ShardError:
-    """Read to the error frame that closes the session and the status that ends the stream (each read
-    within `timeout_s`: a worker that never fails the session fails the test, never hangs it)."""
-    while True:
-        reply = await asyncio.wait_for(call.read(), timeout_s)
-        assert reply is not grpc.aio.EOF, "stream ended without an error frame"
-        if reply.HasField("error") and reply.error.session_closed:
-            break
-    assert reply.error.code == code, reply.error
-    assert not reply.error.retryable
-    with pytest.raises(grpc.aio.AioRpcError) as err:
-        await call.read()
+    """Read to the error frame that closes the session and the status that ends the stream, all within
+    `timeout_s` (a worker that never fails the session, or never ends the stream, fails the test)."""
+    async with asyncio.timeout(timeout_s):
+        while True:
+            reply = await call.read()
+            assert reply is not grpc.aio.EOF, "stream ended without an error frame"
+            if reply.HasField("error") and reply.error.session_closed:
+                break
+        assert reply.error.code == code, reply.error
+        assert not reply.error.retryable
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await call.read()
     assert err.value.code() == status, err.value
     assert err.value.details().startswith(pb.ShardErrorCode.Name(code).removeprefix("SHARD_ERROR_"))
     return reply.error
