@@ -70,7 +70,7 @@ def _hung(nodeid: str, fd: int) -> None:
     os._exit(1)
 
 
-@pytest.hookimpl(hookwrapper=True)
+@pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     """Arm the hang watchdog (`TEST_TIMEOUT_S`) around one test (its setup, call and teardown); not
     under --pdb, where a developer may sit at a breakpoint."""
@@ -82,7 +82,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
         timer.start()
         faulthandler.dump_traceback_later(TEST_TIMEOUT_S + WATCHDOG_GRACE_S + BACKSTOP_S, exit=True, file=fd)
     try:
-        yield
+        return (yield)
     finally:
         if timer is not None:
             timer.cancel()
