@@ -51,16 +51,17 @@ def main(calls: int) -> dict:
                     + pb.TokenizeResponse(text=text).SerializeToString())
 
         assert pb.TokenizeResponse.FromString(as_serialized()) == pb.TokenizeResponse.FromString(as_message())
+        # Each arm's size: tokens for the encode arms, response bytes for the Tokenize ones.
         arms = {"in_process": lambda: len(local.encode(text)), "processes": lambda: len(pooled.encode(text)),
-                "tokenize_response_list_then_message": lambda: len(as_message()),  # (bytes, not tokens)
+                "tokenize_response_list_then_message": lambda: len(as_message()),
                 "tokenize_response_serialized_in_the_worker": lambda: len(as_serialized())}
         for name in [*arms, *(f"{a}_again" for a in arms)]:
             arm = arms[name.removesuffix("_again")]
             cpu, wall = time.process_time(), time.perf_counter()
             for _ in range(calls):
-                tokens = arm()
+                size = arm()
             out[name] = {"server_cpu_ms_per_call": round((time.process_time() - cpu) / calls * 1e3, 2),
-                         "wall_ms_per_call": round((time.perf_counter() - wall) / calls * 1e3, 1), "size": tokens}
+                         "wall_ms_per_call": round((time.perf_counter() - wall) / calls * 1e3, 1), "size": size}
             print(name, out[name], flush=True)
     finally:
         pooled.close()

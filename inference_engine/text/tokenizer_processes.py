@@ -71,16 +71,20 @@ def _exit_with(parent: int) -> None:  # pragma: no cover - runs in the worker pr
     os._exit(0)
 
 
+def _ids(text: str, add_special_tokens: bool) -> list[int]:  # pragma: no cover - runs in the worker process
+    """In a worker: the ids of `text`."""
+    (encoding,) = _tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)
+    return encoding.ids
+
+
 def _encode(text: str, add_special_tokens: bool) -> bytes:  # pragma: no cover - runs in the worker process
     """In a worker: the ids of `text`, packed."""
-    (encoding,) = _tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)
-    return array(_IDS, encoding.ids).tobytes()
+    return array(_IDS, _ids(text, add_special_tokens)).tobytes()
 
 
 def _encode_serialized(text: str, add_special_tokens: bool, message: type, field: str) -> bytes:  # pragma: no cover
     """In a worker: `message(field=the ids of text)`, serialized (runs in the worker process)."""
-    (encoding,) = _tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)
-    return message(**{field: encoding.ids}).SerializeToString()
+    return message(**{field: _ids(text, add_special_tokens)}).SerializeToString()
 
 
 def _decode(packed: bytes, skip_special_tokens: bool) -> str:  # pragma: no cover - runs in the worker process
