@@ -176,13 +176,48 @@ async def test_generate_and_chat_against_a_server(real_engine, tmp_path):
 
 
 @pytest.mark.parametrize("flag,value", [("--seed", "-1"), ("--max-new-tokens", "-1"), ("--top-k", "-5"),
-                                        ("--logprobs", "4294967296"), ("--seed", "x")])
+                                        ("--logprobs", "4294967296"), ("--seed", "x"), ("--connect-timeout", "-1"),
+                                        ("--connect-timeout", "0"), ("--connect-timeout", "nan")])
 def test_out_of_range_numbers_are_usage_errors(capsys, flag, value):
     """A number no request field can hold is argparse's error (exit 2), never a protobuf traceback."""
     with pytest.raises(SystemExit) as done:
         cli.main(["generate", "--prompt", "hi", flag, value])
     assert done.value.code == 2
     assert f"argument {flag}:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--json-schema", "/nonexistent/schema.json"], "argument --json-schema: cannot read /nonexistent/schema.json: "
+                                                    "No such file or directory"),
+    (["--json-schema", "/"], "argument --json-schema: cannot read /: Is a directory"),
+    (["--logprobs", "2"], "--logprobs N needs --json"),
+    (["--bogus"], "unrecognized arguments: --bogus"),
+])
+def test_flags_that_cannot_work_are_usage_errors_of_the_command(capsys, argv, says):
+    """Refused before connecting (exit 2, no traceback), with the command's own usage line."""
+    with pytest.raises(SystemExit) as done:
+        cli.main(["generate", "--prompt", "hi", "--target", f"127.0.0.1:{_free_port()}", *argv])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and says in err and "Traceback" not in err
+    assert err.startswith("usage: python -m inference_engine generate ")
+
+
+@pytest.mark.real_model
+async def test_chat_goes_on_after_a_refused_turn_and_checks_its_flags_first(real_engine):
+    """A line the server refuses is reported and changes nothing; the next line is answered in the same
+    conversation. Flags over the server's limits are refused before the first turn (exit 2)."""
+    async with _server(real_engine, default_window=256, max_text_chars=64, max_new_tokens=32) as (target, runtime):
+        rc, out, err = await _cli("chat", "--target", target, "--max-new-tokens", "8",
+                                  lines=["x" * 65, "What is the capital of France?", "/quit"])
+        assert rc == 0 and "[not sent: INVALID_ARGUMENT: " in err and "--max-text-chars" in err
+        assert "Paris" in out and runtime.store.slabs_in_use == 0
+        for flags, says in ((["--max-new-tokens", "33"], "--max-new-tokens 33 is over the server's limit of 32"),
+                            (["--logprobs", "21", "--json", "--prompt", "hi"], "--logprobs 21 is over the server's "
+                                                                               "limit of 20")):
+            command = "generate" if "--prompt" in flags else "chat"
+            rc, out, err = await _cli(command, "--target", target, *flags, lines=["never read"])
+            assert rc == 2 and says in err and "> " not in out
+        assert runtime.store.slabs_in_use == 0
 
 
 @pytest.mark.real_model

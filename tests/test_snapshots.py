@@ -292,8 +292,13 @@ async def test_file_restore_checks_owner_at_the_runtime(engine, tmp_path):
         sid = await _session(stub)
         (msg,) = [m async for m in stub.SnapshotSession(pb.SnapshotSessionRequest(session_id=sid, to_dir=True))]
         transfer = SessionTransfer(runtime)
-        with pytest.raises(InvalidRequest, match="no snapshot file"):
+        with pytest.raises(InvalidRequest, match="no snapshot file") as theirs:
             await transfer.restore(RestoreParams(b"", msg.file, owner="someone-else"))
+        missing = "x" * (len(msg.file) - len(".iesnap")) + ".iesnap"
+        with pytest.raises(InvalidRequest) as absent:
+            await transfer.restore(RestoreParams(b"", missing, owner="someone-else"))
+        assert str(theirs.value).replace(msg.file, missing) == str(absent.value)  # the same words: nothing revealed
+        assert "SnapshotSession wrote there for the same caller" in str(absent.value)
         snap = fmt.decode((tmp_path / msg.file).read_bytes())
         assert snap.identity.owner == "anonymous" and snap.identity.session_id == sid
         streamed = fmt.decode(await snapshot_bytes(stub, sid))

@@ -112,7 +112,7 @@ def test_chat_fallback_when_a_reply_does_not_retokenize(real_model):
     turn = ChatInput((ChatMessage("user", "Hi"),), False)
     r3 = resolve_input(codec, ChatLog(), codec.encode("notes"), turn, (EOS,), 99)
     assert codec.decode(list(r3.tokens)) == "<|im_start|>user\nHi<|im_end|>\n" and r3.chat.reply_from is None
-    with pytest.raises(Exception, match="encodes to 5 tokens; allowed 1..4"):
+    with pytest.raises(Exception, match=r"encodes to 5 tokens; allowed 1..4 \(--max-tokens-per-request\)"):
         resolve_input(codec, ChatLog(), [], TextInput("one two three four five"), (EOS,), 4)
 
 

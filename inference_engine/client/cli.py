@@ -23,9 +23,12 @@ from inference_engine.client.connection import add_connection_flags, client_secu
 from inference_engine.v1 import runtime_pb2 as pb
 from inference_engine.version import add_version_flag
 
-COMMANDS = ("chat", "generate")
 MODES = {"plain": pb.DECODE_MODE_GREEDY, "lookup": pb.DECODE_MODE_SPECULATIVE_LOOKUP,
          "draft": pb.DECODE_MODE_SPECULATIVE_DRAFT}
+# Codes of a turn the server refused or could not finish: chat reports them and reads the next line
+# (anything else, an unreachable server, refused credentials, ends it).
+REFUSALS = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.FAILED_PRECONDITION,
+                      grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED, grpc.StatusCode.DEADLINE_EXCEEDED})
 CHAT_HELP = "/help lists the commands, /quit (or Ctrl-D) leaves"
 CHAT_COMMANDS = {  # what /help prints; anything else typed is a user turn
     "/help": "list these commands",
@@ -51,6 +54,14 @@ def unsigned(bits: int) -> Callable[[str], int]:
     return parse
 
 
+def text_file(path: str) -> str:
+    """An argparse type: the text of the file `path` (a usage error when it cannot be read)."""
+    try:
+        return Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {path}: {getattr(exc, 'strerror', None) or exc}") from None
+
+
 def add_client_flags(parser: argparse.ArgumentParser) -> None:
     """Flags shared by chat and generate: where the server is and how to generate."""
     add_connection_flags(parser)
@@ -70,8 +81,8 @@ def add_client_flags(parser: argparse.ArgumentParser) -> None:
     add_version_flag(parser)
 
 
-def add_client_commands(sub: argparse._SubParsersAction) -> None:
-    """Register `chat` and `generate` on a subcommand parser."""
+def add_client_commands(sub: argparse._SubParsersAction) -> dict[str, argparse.ArgumentParser]:
+    """Register `chat` and `generate` on a subcommand parser; returns their parsers by name."""
     chat = sub.add_parser("chat", help="interactive multi-turn chat with a running server",
                           description="Chat with a running server in one session. Commands: "
                           + "; ".join(f"{k}: {v}" for k, v in CHAT_COMMANDS.items()) + ".")
@@ -84,10 +95,19 @@ def add_client_commands(sub: argparse._SubParsersAction) -> None:
                      help="with --json: each token's logprob and N alternatives (0..20)")
     gen.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
     shape = gen.add_mutually_exclusive_group()
-    shape.add_argument("--json-schema", type=Path, default=None, metavar="FILE",
+    shape.add_argument("--json-schema", type=text_file, default=None, metavar="FILE",
                        help="the reply is JSON that this JSON schema file validates (constrained output)")
     shape.add_argument("--regex", default=None, help="the reply matches this regular expression (constrained output)")
     add_client_flags(gen)
+    return {"chat": chat, "generate": gen}
+
+
+def over_limits(args: argparse.Namespace, limits: pb.ModelLimits) -> str:
+    """Why the flags ask for more than the server allows ("" when they do not): told before the first turn."""
+    asked = (("--max-new-tokens", args.max_new_tokens, limits.max_new_tokens),
+             ("--logprobs", getattr(args, "logprobs", None) or 0, limits.max_top_logprobs))
+    return "; ".join(f"{flag} {value} is over the server's limit of {top}" for flag, value, top in asked
+                     if top and value > top)
 
 
 def settings_from_args(args: argparse.Namespace) -> GenerateSettings:
@@ -97,7 +117,7 @@ def settings_from_args(args: argparse.Namespace) -> GenerateSettings:
         min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed, stop=tuple(args.stop),
         top_logprobs=getattr(args, "logprobs", None), ignore_eos=getattr(args, "ignore_eos", False),
         mode=MODES[args.mode], regex=getattr(args, "regex", None),
-        json_schema=args.json_schema.read_text() if getattr(args, "json_schema", None) else None,
+        json_schema=getattr(args, "json_schema", None),
     )
 
 
@@ -241,13 +261,19 @@ def run_chat(args: argparse.Namespace, client: RuntimeClient, info: pb.GetModelI
             turn = ([("system", args.system)] if args.system and not opened else []) + [("user", text)]
             clock = ReplyClock()
             try:
-                client.append_chat(sid, turn)
-            except grpc.RpcError as exc:
-                if exc.code() != grpc.StatusCode.NOT_FOUND:
+                try:
+                    client.append_chat(sid, turn)
+                except grpc.RpcError as exc:
+                    if exc.code() != grpc.StatusCode.NOT_FOUND:
+                        raise
+                    err.write("[the session expired on the server; starting a new conversation]\n")
+                    sid = client.create_session()
+                    client.append_chat(sid, ([("system", args.system)] if args.system else []) + [("user", text)])
+            except grpc.RpcError as exc:  # a refused append changed nothing: the conversation goes on
+                if exc.code() not in REFUSALS:
                     raise
-                err.write("[the session expired on the server; starting a new conversation]\n")
-                sid = client.create_session()
-                client.append_chat(sid, ([("system", args.system)] if args.system else []) + [("user", text)])
+                err.write(f"[not sent: {exc.code().name}: {exc.details()}]\n")
+                continue
             opened = True
             clock.mark_appended()
             stream = client.generate(sid, settings)
@@ -257,6 +283,12 @@ def run_chat(args: argparse.Namespace, client: RuntimeClient, info: pb.GetModelI
                 stream.cancel()
                 out.write("\n")
                 err.write("[stopped]\n")
+                continue
+            except grpc.RpcError as exc:  # the line stays in the conversation, with the reply's part already sent
+                if exc.code() not in REFUSALS:
+                    raise
+                out.write("\n")
+                err.write(f"[the reply failed: {exc.code().name}: {exc.details()}]\n")
                 continue
             out.write("\n")
             if args.stats:
@@ -273,15 +305,24 @@ def main(argv: list[str], out: TextIO = sys.stdout, err: TextIO = sys.stderr,
     """Run `chat` or `generate` (argv starts with the command); returns the exit status."""
     parser = argparse.ArgumentParser(prog="python -m inference_engine")
     add_version_flag(parser)
-    add_client_commands(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
+    commands = add_client_commands(parser.add_subparsers(dest="command", required=True))
+    args, unknown = parser.parse_known_args(argv)
+    command = commands[args.command]  # its usage line, not the launcher's, goes with a usage error
+    if unknown:
+        command.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if getattr(args, "logprobs", None) is not None and not args.json:
+        command.error("--logprobs N needs --json: plain text output has no place for them")
     try:
         security = client_security(args)
         client = RuntimeClient(args.target, args.connect_timeout, security)
     except (ValueError, OSError) as exc:
-        parser.error(str(exc))
+        command.error(str(exc))
     try:
         info = client.connect()
+        over = over_limits(args, info.limits)
+        if over:
+            err.write(f"{command.prog}: error: {over}\n")
+            return 2
         if args.command == "generate":
             return run_generate(args, client, out, err)
         return run_chat(args, client, info, out, err, read)

@@ -17,11 +17,22 @@ from inference_engine.security.tokens import read_token_file
 TOKEN_ENV = "INFERENCE_ENGINE_TOKEN"
 
 
+def positive_seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{value:g} is out of range; allowed above 0 seconds")
+    return value
+
+
 def add_connection_flags(parser: argparse.ArgumentParser) -> None:
     """Register --target, --connect-timeout, --tls-ca, --tls-cert, --tls-key, --tls-server-name, --token(-file)."""
     parser.add_argument("--target", default=os.environ.get(ADDRESS_ENV) or DEFAULT_ADDRESS,
                         help=f"server HOST:PORT (default ${ADDRESS_ENV}, else {DEFAULT_ADDRESS})")
-    parser.add_argument("--connect-timeout", type=float, default=5.0,
+    parser.add_argument("--connect-timeout", type=positive_seconds, default=5.0,
                         help="seconds to wait for a server that answers but is not ready yet (a refused "
                              "connection fails at once; default %(default)s)")
     parser.add_argument("--tls-ca", metavar="PEM", help="connect over TLS, trusting the CA that signed the server's "

@@ -48,7 +48,7 @@ from inference_engine.errors import (
 )
 from inference_engine.model.loader import model_fingerprint
 from inference_engine.runtime.runtime import Runtime
-from inference_engine.runtime.snapshot_files import SUFFIX, open_snapshot, write_atomic
+from inference_engine.runtime.snapshot_files import SUFFIX, no_such_file, open_snapshot, write_atomic
 from inference_engine.runtime.snapshot_intake import SnapshotIntake
 from inference_engine.runtime.transfer_slots import TransferSlots
 from inference_engine.security.settings import ANONYMOUS
@@ -248,7 +248,7 @@ class SessionTransfer:
     @staticmethod
     def _check_owner(identity: PersistedIdentity | None, p: RestoreParams) -> None:
         if p.file and (identity is None or identity.owner != p.owner):  # as if missing: names reveal nothing
-            raise InvalidRequest(f"there is no snapshot file {p.file!r} in the snapshot folder", "file")
+            raise no_such_file(p.file)
 
     def _check_limits(self, sink: int, window: int) -> None:
         cfg = self.config

@@ -60,6 +60,12 @@ def remove_temporaries(folder: Path) -> int:
     return len(stale)
 
 
+def no_such_file(name: str) -> InvalidRequest:
+    """The refusal of a file that is missing or another caller's: the two read the same, so a name reveals nothing."""
+    return InvalidRequest(f"there is no snapshot file {name!r} of yours in the snapshot folder (RestoreSession "
+                          "takes the files SnapshotSession wrote there for the same caller)", "file")
+
+
 def open_snapshot(folder: Path, name: str, limit: int) -> tuple[int, int]:
     """Open the snapshot file `name` directly inside `folder` for reading: a regular file, not followed
     through a symlink (O_NOFOLLOW, relative to the folder's own descriptor), never blocking on a FIFO, and
@@ -81,7 +87,7 @@ def open_snapshot(folder: Path, name: str, limit: int) -> tuple[int, int]:
     try:
         fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=folder_fd)
     except FileNotFoundError:
-        raise InvalidRequest(f"there is no snapshot file {name!r} in the snapshot folder", "file") from None
+        raise no_such_file(name) from None
     except OSError as exc:
         if exc.errno != errno.ELOOP:
             raise

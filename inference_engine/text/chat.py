@@ -89,7 +89,8 @@ def resolve_input(
         tokens, chat, is_continuation = _continue_chat(codec, chat, history, request, set(eos_token_ids))
         field = "messages"
     if not 1 <= len(tokens) <= limit:
-        raise InvalidRequest(f"AppendTokensRequest.{field} encodes to {len(tokens)} tokens; allowed 1..{limit}", field)
+        raise InvalidRequest(f"AppendTokensRequest.{field} encodes to {len(tokens)} tokens; allowed 1..{limit} "
+                             "(--max-tokens-per-request)", field)
     return ResolvedInput(tuple(tokens), chat, is_continuation)
 
 

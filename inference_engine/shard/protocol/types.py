@@ -90,7 +90,6 @@ class ShardOutput:
     position: int  # global position of the first row
     next_position: int  # the session's position after the block
     tensor: np.ndarray  # (rows, hidden) activations, or at the tail (rows or 1, vocab) float32 logits
-    is_logits: bool  # the tensor holds logits (tail worker)
 
 
 @dataclass(frozen=True)

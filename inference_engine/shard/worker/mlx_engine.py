@@ -404,7 +404,7 @@ class MlxShardEngine:
             if not isinstance(out, (WorkCancelled, InvariantViolation)):
                 s.broken = f"compute failed at position {position}: {type(out).__name__}"
             return out
-        return ShardOutput(item.work.work_id, position, s.position, np.array(out), is_logits=self._caps.is_tail)
+        return ShardOutput(item.work.work_id, position, s.position, np.array(out))
 
     def _count(self, steps: int, rows: int, started: float, chunks: int = 1) -> None:
         with self._lock:
