@@ -34,8 +34,14 @@ async def test_models_health_docs(tiny_engine):
         async with s.client() as c:
             models = await c.models.list()
         assert [m.id for m in models.data] == [s.model] == ["random-0"]
+        async with s.client() as c:
+            assert (await c.models.retrieve(s.model)).id == s.model
+            with pytest.raises(openai.NotFoundError) as err:
+                await c.models.retrieve("gpt-4o")
+            assert err.value.body["code"] == "model_not_found"
         async with httpx.AsyncClient(base_url=s.base_url.removesuffix("/v1")) as h:
             assert (await h.get("/health")).json() == {"status": "ok"}
+            assert (await h.head("/health")).status_code == 200  # load balancers' probes
             schema = (await h.get("/openapi.json")).json()
             assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health"} <= set(schema["paths"])
             assert (await h.get("/docs")).status_code == 200

@@ -45,6 +45,28 @@ async def test_chat_plain_streamed_stop_and_logprobs(real_engine):
         assert done.choices[0].text and done.usage.prompt_tokens == 5
 
 
+async def test_logprobs_carry_each_tokens_own_bytes(real_engine):
+    """A token holding part of a UTF-8 character is named `bytes:\\x..` with its own bytes, so the bytes of a
+    reply's tokens rebuild its text; completions' top_logprobs always hold the chosen token, and their text
+    offsets count characters."""
+    messages = [{"role": "user", "content": "Repeat exactly: 🦄🦄 日本語"}]
+    async with http_api(real_engine, default_window=256) as s, s.client() as c:
+        r = await c.chat.completions.create(model=s.model, messages=messages, max_tokens=12, temperature=0,
+                                            logprobs=True, top_logprobs=2)
+        content, text = r.choices[0].logprobs.content, r.choices[0].message.content
+        assert "🦄" in text and any(lp.token.startswith("bytes:\\x") for lp in content)  # SmolLM2 splits the emoji
+        joined = b"".join(bytes(lp.bytes) for lp in content)  # a character cut by max_tokens is not in the text:
+        assert joined.decode("utf-8", "ignore") == text and joined.startswith(text.encode())
+        assert all(lp.token.startswith("bytes:") == ("\ufffd" in bytes(lp.bytes).decode("utf-8", "replace"))
+                   for lp in content)
+        done = await c.completions.create(model=s.model, prompt="Unicorns: 🦄🦄🦄", max_tokens=8, temperature=0.9,
+                                          seed=5, logprobs=0)
+        lp = done.choices[0].logprobs
+        assert [list(top) for top in lp.top_logprobs] == [[t] for t in lp.tokens]  # logprobs 0: the chosen only
+        assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+        assert lp.text_offset[-1] <= len(done.choices[0].text)
+
+
 def _forks(outcome: str) -> float:
     return metrics.REGISTRY.get_sample_value("inference_engine_prefix_cache_forks_total", {"outcome": outcome}) or 0.0
 

@@ -53,6 +53,7 @@ async def test_response_format_json_schema_and_json_object(real_engine):
             await c.chat.completions.create(model=s.model, messages=messages, response_format={
                 "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "(("}}})
         assert err.value.code == "invalid_constraint" and "unclosed group" in err.value.message
+        assert err.value.param == "response_format" and err.value.body["message"].startswith("response_format is invalid")
         assert s.runtime.store.slabs_in_use == held  # refused before any session was opened
 
 

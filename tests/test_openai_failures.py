@@ -13,7 +13,7 @@ import pytest
 
 from inference_engine.config import add_server_flags, config_from_args
 from inference_engine.errors import SessionBusy, SessionNotFound
-from inference_engine.runtime.types import GenerateChunk
+from inference_engine.runtime.types import CreateSessionParams, GenerateChunk
 from inference_engine.security.authenticator import Authenticator
 from inference_engine.server.openai_api.http_server import HttpFrontend
 from tests.conftest import make_config
@@ -100,10 +100,15 @@ async def test_expired_and_oversized_sessions_are_not_kept(tiny_engine):
 
 
 async def test_n_choices_that_do_not_fit_the_pool_leave_nothing_open(tiny_engine):
-    async with http_api(tiny_engine, max_sessions=2, prefix_cache_bytes=0) as s, s.client() as c:
-        with pytest.raises(openai.RateLimitError):
+    async with http_api(tiny_engine, max_sessions=3, prefix_cache_bytes=0) as s, s.client() as c:
+        with pytest.raises(openai.BadRequestError) as err:  # never servable: 400, not a 429 retried for ever
+            await c.completions.create(model=s.model, prompt=PROMPT, max_tokens=2, n=4)
+        assert err.value.param == "n" and "--max-sessions" in err.value.message
+        other = await s.runtime.create_session(CreateSessionParams((), "other", 0, 0))  # another client's
+        with pytest.raises(openai.RateLimitError):  # fits the pool, not what is free of it now
             await c.completions.create(model=s.model, prompt=PROMPT, max_tokens=2, n=3)
-        assert s.runtime.store.slabs_in_use == 0
+        assert s.runtime.store.slabs_in_use == 1
+        s.runtime.store.close(other.session_id, "anonymous")
 
 
 @pytest.mark.parametrize("fields, param", [
@@ -111,6 +116,9 @@ async def test_n_choices_that_do_not_fit_the_pool_leave_nothing_open(tiny_engine
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"user": "u" * 300}, "user"),
     ({"messages": []}, "messages"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": "f"}]}]}, "messages.0.tool_calls.0.function"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": 5}}]}]},
+     "messages.0.tool_calls.0.function.arguments.str"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "x" * (1 << 20)}, {"type": "text",
                                                                                           "text": "y"}]}]}, "content"),
 ])
@@ -120,6 +128,32 @@ async def test_bad_chat_fields_are_400(tiny_engine, fields, param):
         with pytest.raises(openai.BadRequestError) as err:
             await c.chat.completions.create(**body)
         assert err.value.param == param
+
+
+@pytest.mark.parametrize("path,fields", [
+    ("/chat/completions", '"messages": [{"role": "user", "content": "hi \\ud800"}]'),
+    ("/chat/completions", '"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udfff"}]}]'),
+    ("/chat/completions", '"messages": [{"role": "user", "content": "hi"}], "stop": ["\\ud800x"]'),
+    ("/completions", '"prompt": "hi \\ud800"'),
+])
+async def test_a_lone_surrogate_is_a_400_not_a_500(tiny_engine, path, fields):
+    """JSON may escape half a UTF-16 pair ("\\ud800"); Python decodes it to a string no tokenizer takes."""
+    async with http_api(tiny_engine) as s, httpx.AsyncClient(base_url=s.base_url) as h:
+        r = await h.post(path, content=f'{{"model": "{s.model}", {fields}, "max_tokens": 2}}',
+                         headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request"
+        assert "holds a lone UTF-16 surrogate" in r.json()["error"]["message"]
+
+
+async def test_a_body_of_another_content_type_is_told_to_be_json(tiny_engine):
+    async with http_api(tiny_engine) as s, httpx.AsyncClient(base_url=s.base_url) as h:
+        body = json.dumps({"model": s.model, "prompt": PROMPT, "max_tokens": 2})
+        r = await h.post("/completions", content=body, headers={"content-type": "text/plain"})
+        assert r.status_code == 400 and "Content-Type: application/json" in r.json()["error"]["message"]
+        r = await h.post("/completions", content=body)  # no content type: not read as JSON either
+        assert r.status_code == 400 and "'no content type'; send it as JSON" in r.json()["error"]["message"]
+        r = await h.post("/completions", content=body, headers={"content-type": "application/json; charset=utf-8"})
+        assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 2
 
 
 async def test_loading_server_and_port_in_use(tiny_engine):
@@ -199,3 +233,36 @@ async def test_https_with_the_grpc_ports_certificate_and_tokens(tiny_engine, pki
     finally:
         await http.stop(0.1)
         close_every_session(runtime)
+
+
+@pytest.mark.parametrize("stream,stuck", [(False, "generate"), (True, "append_tokens"), (False, "append_tokens")])
+async def test_a_client_that_hangs_up_cancels_its_request(tiny_engine, monkeypatch, caplog, stream, stuck):
+    """A client gone before its answer (a timeout mid-generation, or mid-prefill of a stream) stops the
+    work at once and frees its session, logged as 499; the server then serves the next request."""
+    async with http_api(tiny_engine, prefix_cache_bytes=0, prefix_cache_forks=False) as s:
+        real, cancelled = getattr(s.runtime, stuck), asyncio.Event()
+
+        async def never_ends(params, *rest):  # fault injection: the call runs until cancelled
+            if stuck == "generate":
+                await rest[0](GenerateChunk((7,)))
+            try:
+                await asyncio.Event().wait()
+            finally:
+                cancelled.set()
+
+        monkeypatch.setattr(s.runtime, stuck, never_ends)
+        caplog.set_level("INFO", "inference_engine.http")
+        body = {"model": s.model, "prompt": PROMPT, "max_tokens": 8, "stream": stream}
+        async with httpx.AsyncClient(base_url=s.base_url, timeout=0.5) as h:
+            with pytest.raises(httpx.ReadTimeout):
+                await h.post("/completions", json=body)
+        await asyncio.wait_for(cancelled.wait(), 10)  # before: the work ran on for nobody
+        for _ in range(100):
+            if s.runtime.store.slabs_in_use == 0 and any(" 499 " in r.message for r in caplog.records):
+                break
+            await asyncio.sleep(0.05)
+        assert s.runtime.store.slabs_in_use == 0
+        assert any(r.message.startswith("http POST /v1/completions 499 ") for r in caplog.records)
+        monkeypatch.setattr(s.runtime, stuck, real)
+        async with s.client() as c:
+            assert len(ids((await c.completions.create(model=s.model, prompt=PROMPT, max_tokens=3)).choices[0])) == 3

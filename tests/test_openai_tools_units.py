@@ -9,7 +9,7 @@ from inference_engine.runtime.types import GenerateChunk, StopReason
 from inference_engine.server.openai_api.call_reader import CallReader
 from inference_engine.server.openai_api.completions import ChoiceChunk, CompletionUsage
 from inference_engine.server.openai_api.render import ResponseWriter
-from inference_engine.server.openai_api.schema import ChatCompletionRequest, ResponseFormat
+from inference_engine.server.openai_api.schema import ChatCompletionRequest, MessageFunction, MessageToolCall, ResponseFormat
 from inference_engine.server.openai_api.tools import (
     MAX_TOOLS,
     message_text,
@@ -39,6 +39,9 @@ def test_response_formats():
     assert json.loads(default.source) == {"type": "object"}
     with pytest.raises(InvalidRequest, match="json_schema is required"):
         response_constraint(ResponseFormat(type="json_schema"))
+    for name in ("", "x" * 65, "a b"):  # OpenAI's rule: 1..64 letters, digits, '_' or '-'
+        with pytest.raises(InvalidRequest, match="json_schema.name"):
+            response_constraint(ResponseFormat.model_validate({"type": "json_schema", "json_schema": {"name": name}}))
 
 
 def test_tool_plans():
@@ -63,12 +66,15 @@ def test_rendering_and_parsing():
     assert with_tools(user, plan) == [ChatMessage("system", plan.system), *user]
     merged = with_tools([ChatMessage("system", "Be brief."), *user], plan)
     assert merged[0].content.startswith("Be brief.\n\n") and len(merged) == 2
-    calls = [{"function": {"name": "f", "arguments": '{"a": 1}'}}, {"function": {"name": "f", "arguments": "{oops"}}]
+    calls = [MessageToolCall(function=MessageFunction(name="f", arguments='{"a": 1}')),
+             MessageToolCall(function=MessageFunction(name="f", arguments="{oops"))]
     assert message_text("assistant", "", calls, None) == ("assistant", '{"name":"f","arguments":{"a":1}}\n'
                                                                       '{"name":"f","arguments":"{oops"}')
     assert message_text("assistant", "ok", calls[:1], None)[1].startswith("ok\n")
-    city = [{"function": {"name": "f", "arguments": '{"city":"河南"}'}}]  # a reply's call, re-rendered as written
+    city = [MessageToolCall(function=MessageFunction(name="f", arguments='{"city":"河南"}'))]  # a reply's call, as written
     assert message_text("assistant", "", city, None)[1] == '{"name":"f","arguments":{"city":"河南"}}'
+    as_object = [MessageToolCall(function=MessageFunction(name="f", arguments={"city": "河南"}))]  # a common client slip
+    assert message_text("assistant", "", as_object, None)[1] == '{"name":"f","arguments":{"city":"河南"}}'
     assert message_text("tool", "18 C", None, "call_1") == ("user", "Tool result (call_1): 18 C")
     assert message_text("user", "x", None, None) == ("user", "x")
 

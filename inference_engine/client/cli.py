@@ -27,8 +27,9 @@ MODES = {"plain": pb.DECODE_MODE_GREEDY, "lookup": pb.DECODE_MODE_SPECULATIVE_LO
          "draft": pb.DECODE_MODE_SPECULATIVE_DRAFT}
 # Codes of a turn the server refused or could not finish: chat reports them and reads the next line
 # (anything else, an unreachable server, refused credentials, ends it).
-REFUSALS = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.FAILED_PRECONDITION,
-                      grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED, grpc.StatusCode.DEADLINE_EXCEEDED})
+REFUSALS = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
+                      grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                      grpc.StatusCode.ABORTED, grpc.StatusCode.DEADLINE_EXCEEDED})
 CHAT_HELP = "/help lists the commands, /quit (or Ctrl-D) leaves"
 CHAT_COMMANDS = {  # what /help prints; anything else typed is a user turn
     "/help": "list these commands",

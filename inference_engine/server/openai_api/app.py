@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP API as a FastAPI app over the server's one Runtime.
 
-Routes: GET /health, GET /v1/models, POST /v1/chat/completions, POST /v1/completions
+Routes: GET /health, GET /v1/models (and /v1/models/{id}), POST /v1/chat/completions, POST /v1/completions
 (/docs and /openapi.json describe them). Callers are identified as on the gRPC port:
 the bearer token's identity (`Authorization: Bearer <token>`), or anonymous without
 --auth-token-file. Until a runtime is attached (the model is loading) and while draining,
@@ -9,16 +9,18 @@ the bearer token's identity (`Authorization: Bearer <token>`), or anonymous with
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from inference_engine.errors import EngineUnavailable, RuntimeServiceError, Unauthenticated
+from inference_engine.errors import EngineUnavailable, RuntimeServiceError, Unauthenticated, UnknownModel
 from inference_engine.runtime.runtime import Runtime
 from inference_engine.security.authenticator import AUTHORIZATION, MISSING_TOKEN, Authenticator
 from inference_engine.security.settings import ANONYMOUS
@@ -30,6 +32,9 @@ from inference_engine.server.openai_api.params import CompletionJob, chat_job, c
 from inference_engine.server.openai_api.render import ResponseWriter, system_fingerprint
 from inference_engine.server.openai_api.schema import ChatCompletionRequest, CompletionRequest
 from inference_engine.server.validation import Validator
+
+T = TypeVar("T")
+CLIENT_CLOSED = 499  # the status logged for a request whose client hung up first (nginx's "client closed request")
 
 
 @dataclass
@@ -85,7 +90,8 @@ def build_app(state: ApiState) -> FastAPI:
         return who
 
     app.add_exception_handler(RuntimeServiceError, lambda request, exc: error_response(exc))
-    app.add_exception_handler(RequestValidationError, lambda request, exc: validation_response(exc))
+    app.add_exception_handler(RequestValidationError,
+                              lambda request, exc: validation_response(exc, request.headers.get("content-type", "")))
 
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
@@ -95,35 +101,51 @@ def build_app(state: ApiState) -> FastAPI:
 
     app.add_exception_handler(StarletteHTTPException, http_error)  # unexpected errors: observer.RequestObserver
 
+    @app.head("/health", include_in_schema=False)  # load balancers' probes
     @app.get("/health", summary="200 when serving; 503 while the model loads or the server drains")
     async def health() -> JSONResponse:
         status = "draining" if state.is_draining else "loading" if state.serving is None else "ok"
         return JSONResponse({"status": status}, status_code=200 if status == "ok" else 503)
 
+    def model_object(s: Serving) -> dict:
+        return {"id": s.info.model_name, "object": "model", "created": 0, "owned_by": "inference_engine"}
+
     @app.get("/v1/models", summary="The served model")
     async def models(owner: str = Depends(identity)) -> dict:
+        return {"object": "list", "data": [model_object(state.ready())]}
+
+    @app.get("/v1/models/{model:path}", summary="The served model, by its id (404 for any other)")
+    async def model(model: str, owner: str = Depends(identity)) -> dict:
         s = state.ready()
-        return {"object": "list", "data": [{"id": s.info.model_name, "object": "model", "created": 0,
-                                            "owned_by": "inference_engine"}]}
+        if model != s.info.model_name:
+            raise UnknownModel(f"model {model!r} is not served here; GET /v1/models lists {s.info.model_name!r}")
+        return model_object(s)
 
     @app.post("/v1/chat/completions", summary="Chat completion (streamed with stream: true)")
-    async def chat_completions(body: ChatCompletionRequest, owner: str = Depends(identity)):
+    async def chat_completions(body: ChatCompletionRequest, request: Request, owner: str = Depends(identity)):
         s = state.ready()
-        return await _respond(s, replace(chat_job(s.validate, s.runtime.config, body, s.info.model_name), owner=owner))
+        job = chat_job(s.validate, s.runtime.config, body, s.info.model_name)
+        return await _respond(s, replace(job, owner=owner), request)
 
     @app.post("/v1/completions", summary="Text completion of a string or token ids (streamed with stream: true)")
-    async def completions(body: CompletionRequest, owner: str = Depends(identity)):
+    async def completions(body: CompletionRequest, request: Request, owner: str = Depends(identity)):
         s = state.ready()
         job = completion_job(s.validate, s.runtime.config, body, s.info.model_name)
-        return await _respond(s, replace(job, owner=owner))
+        return await _respond(s, replace(job, owner=owner), request)
 
     return app
 
 
-async def _respond(s: Serving, job: CompletionJob):
-    """One JSON object, or an SSE stream whose first chunk is already computed (errors before it are JSON)."""
-    writer = ResponseWriter(job.is_chat, s.info.model_name, s.fingerprint, s.runtime.text, job.n, job.tools)
+async def _respond(s: Serving, job: CompletionJob, request: Request):
+    """One JSON object, or an SSE stream whose first chunk is already computed (errors before it are JSON).
+
+    A client that hangs up before the object or the first chunk is sent cancels the request there
+    (its prefill or its generation: the sessions are given back at once), logged as 499.
+    """
     wants_logprobs = job.options.logprobs
+    token_bytes = await s.service.token_bytes() if wants_logprobs else None
+    writer = ResponseWriter(job.is_chat, s.info.model_name, s.fingerprint, s.runtime.text, job.n, job.tools,
+                            token_bytes)
     record = observer.current()
     events = s.service.run(job)
 
@@ -135,17 +157,29 @@ async def _respond(s: Serving, job: CompletionJob):
             record.stop_reason = item.chunk.stop_reason.name
 
     if not job.stream:
-        usage = None
-        async for item in events:
-            account(item)
-            if isinstance(item, CompletionUsage):
-                usage = item
-            else:
-                writer.add(item)
-        assert usage is not None
+        async def collect() -> CompletionUsage:
+            usage = None
+            async for item in events:
+                account(item)
+                if isinstance(item, CompletionUsage):
+                    usage = item
+                else:
+                    writer.add(item)
+            assert usage is not None
+            return usage
+
+        try:
+            usage = await _unless_gone(request, collect())
+        except ClientGone:
+            return Response(status_code=CLIENT_CLOSED)
+        finally:
+            await events.aclose()
         return JSONResponse(writer.final(usage, wants_logprobs))
     try:
-        first = await events.__anext__()  # prefill done: errors so far get their status
+        first = await _unless_gone(request, events.__anext__())  # prefill done: errors so far get their status
+    except ClientGone:
+        await events.aclose()
+        return Response(status_code=CLIENT_CLOSED)
     except BaseException:
         await events.aclose()
         raise
@@ -172,6 +206,33 @@ async def _respond(s: Serving, job: CompletionJob):
             await events.aclose()
 
     return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+class ClientGone(Exception):
+    """The client closed the connection before its answer was ready."""
+
+
+async def _unless_gone(request: Request, work: Awaitable[T]) -> T:
+    """`work`'s result, or ClientGone (with `work` cancelled) when the client hangs up first."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():  # the client left first (or this handler was cancelled): stop the work
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task not in done:
+        observer.current().stop_reason = "CLIENT_GONE"
+        raise ClientGone()
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    """Return once the client has closed the connection (the body was read already: nothing else arrives)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _data(obj: dict) -> str:

@@ -17,11 +17,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from inference_engine import metrics
-from inference_engine.errors import SessionNotFound
+from inference_engine.errors import InvalidConstraint, SessionNotFound
 from inference_engine.runtime.runtime import Runtime
 from inference_engine.runtime.session_transfer import SessionTransfer
 from inference_engine.runtime.types import AppendParams, CreateSessionParams, GenerateChunk, GenerateParams
@@ -71,6 +71,14 @@ class CompletionService:
         self.transfer = SessionTransfer(runtime)
         self.cache = PrefixCache(runtime.store, runtime.config.prefix_cache_bytes, runtime.config.max_rollback)
 
+    async def token_bytes(self) -> Callable[[int], bytes] | None:
+        """Each token's own bytes (logprobs' `bytes`), from llguidance's view of the tokenizer (built once, off
+        the event loop); None on a model without a tokenizer."""
+        if self.runtime.text is None:
+            return None
+        tokenizer = await asyncio.to_thread(self.runtime.constraints.tokenizer)
+        return lambda token: tokenizer.decode_bytes([token])
+
     async def prompt_tokens(self, job: CompletionJob) -> tuple[int, ...]:
         """The prompt as tokens (messages rendered with the chat template), off the event loop.
 
@@ -103,7 +111,11 @@ class CompletionService:
         if job.options.stop:
             require(self.runtime.text)  # stop strings are matched on text: refused before any prefill
         if job.options.constraint is not None:  # a schema that does not compile: a 400 before any prefill
-            await asyncio.to_thread(self.runtime.constraints.matcher, job.options.constraint)
+            try:
+                await asyncio.to_thread(self.runtime.constraints.matcher, job.options.constraint)
+            except InvalidConstraint as exc:  # named as this API's body names it
+                where = "tools" if job.tools is not None and job.tools.constraint is not None else "response_format"
+                raise InvalidConstraint(str(exc).replace(exc.field, where, 1), where) from None
         prompt = await self.prompt_tokens(job)
         session_id, cached = await self._open(job.owner, prompt)
         choices = [_Choice(0, session_id)]

@@ -49,8 +49,16 @@ def error_response(exc: BaseException) -> JSONResponse:
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-def validation_response(exc: RequestValidationError) -> JSONResponse:
-    """A body that is not JSON or does not fit the schema: 400 naming the first wrong field (no input echoed)."""
+def validation_response(exc: RequestValidationError, content_type: str = "application/json") -> JSONResponse:
+    """A body that is not JSON or does not fit the schema: 400 naming the first wrong field (no input echoed).
+
+    Args:
+        content_type: the request's Content-Type (a body sent as another type is not read as JSON).
+    """
+    if "json" not in content_type.lower():  # FastAPI reads a body as JSON only when its type says so
+        message = (f"the request body is sent as {content_type[:80] or 'no content type'!r}; send it as JSON with "
+                   "the header Content-Type: application/json")
+        return JSONResponse(error_body(message, 400, "invalid_request"), status_code=400)
     problems = []
     param = None
     for e in exc.errors()[:5]:

@@ -24,6 +24,7 @@ from inference_engine.short_id import short_id
 log = logging.getLogger("inference_engine.http")
 MAX_BODY_BYTES = 8 << 20  # bytes of one request body (a full 8192-token prompt as JSON is far below)
 ROUTES = ("/health", "/v1/models", "/v1/chat/completions", "/v1/completions", "/docs", "/openapi.json")
+MODEL_ROUTE = "/v1/models/{id}"  # one label for every id asked for (metrics stay few)
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -71,7 +72,7 @@ class RequestObserver:
         start = time.perf_counter()
         status = 500
         path = scope.get("path", "")
-        route = path if path in ROUTES else "other"
+        route = path if path in ROUTES else MODEL_ROUTE if path.startswith("/v1/models/") else "other"
 
         is_started = False
 
@@ -108,7 +109,7 @@ class RequestObserver:
             metrics.HTTP_REQUESTS.labels(route, str(status)).inc()
             metrics.HTTP_SECONDS.labels(route).observe(seconds)
             level = logging.DEBUG if route == "/health" else logging.INFO
-            log.log(level, _line(scope.get("method", ""), path if route != "other" else "(other)", status,
+            log.log(level, _line(scope.get("method", ""), route if route != "other" else "(other)", status,
                                  seconds * 1e3, record))
 
     def _too_large(self, n: int) -> str:

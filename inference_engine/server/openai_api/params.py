@@ -106,6 +106,9 @@ def _common(v: Validator, cfg: ServerConfig, body: SamplingFields, served_model:
     if body.user is not None:
         v.length("body.user", len(body.user), "characters")
     n = v.value("body.n", 1 if body.n is None else body.n)
+    if n > cfg.max_sessions:  # never servable: a 429 would be retried for ever
+        raise InvalidRequest(f"n = {n} choices need {n} sessions at once; this server holds {cfg.max_sessions} "
+                             "(--max-sessions)", "n")
     return n, cfg.default_new_tokens if max_tokens is None else v.value("body.max_tokens", max_tokens)
 
 

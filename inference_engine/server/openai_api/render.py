@@ -40,10 +40,22 @@ def system_fingerprint(info: ModelInfo) -> str:
 
 
 def token_text(codec: TextCodec | None) -> Callable[[int], str]:
-    """How a token id is shown in logprobs: its text, or `token_id:N` on a model without a tokenizer."""
+    """A token id's text, or `token_id:N` on a model without a tokenizer."""
     if codec is None:
         return lambda t: f"token_id:{t}"
     return lambda t: codec.decode([t])
+
+
+def shown_token(text: str, raw: bytes | None) -> str:
+    """How a token is named in logprobs: its text, or, for a token holding part of a UTF-8 character (its
+    text alone would be U+FFFD, the same for many tokens), `bytes:` and its bytes escaped, as OpenAI names it."""
+    if raw is None:
+        return text
+    try:
+        raw.decode("utf-8")
+        return text
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
 
 def usage_object(u: CompletionUsage) -> dict[str, Any]:
@@ -57,17 +69,22 @@ class ResponseWriter:
     """The response objects of one request (streamed chunks or the one final object)."""
 
     def __init__(self, is_chat: bool, model: str, fingerprint: str, codec: TextCodec | None, n: int,
-                 tools: ToolPlan | None = None):
+                 tools: ToolPlan | None = None, token_bytes: Callable[[int], bytes] | None = None):
+        """
+        Args:
+            token_bytes: a token's own bytes (logprobs' `bytes`; None: its text's UTF-8).
+        """
         self.is_chat = is_chat
         self.tools = tools  # a reply may be a tool call: each choice's reply is read by a CallReader
         self._readers = [CallReader(tools.names) for _ in range(n)] if tools is not None else []
         self.model = model
         self.fingerprint = fingerprint
         self.text_of = token_text(codec)
+        self.token_bytes = token_bytes
         self.id = ("chatcmpl-" if is_chat else "cmpl-") + secrets.token_hex(12)
         self.created = int(time.time())
         self._role_sent = [False] * n
-        self._offset = [0] * n  # completions logprobs: text offset of the next token
+        self._emitted = [b""] * n  # completions logprobs: the bytes of the tokens so far (their text offsets)
         self._text = [""] * n
         self._tokens: list[list[int]] = [[] for _ in range(n)]
         self._logprobs: list[list[TokenLogprobs]] = [[] for _ in range(n)]
@@ -80,18 +97,24 @@ class ResponseWriter:
     def _logprobs_object(self, index: int, lps: list[TokenLogprobs]) -> dict[str, Any] | None:
         if self.is_chat:
             return {"content": [self._chat_logprob(lp) for lp in lps]}
-        tokens = [self.text_of(lp.token) for lp in lps]
         offsets = []
-        for t in tokens:
-            offsets.append(self._offset[index])
-            self._offset[index] += len(t)
-        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
-                "top_logprobs": [{self.text_of(t): x for t, x in lp.top} for lp in lps], "text_offset": offsets}
+        for lp in lps:  # characters before the token (one it completes counts from its start)
+            offsets.append(len(self._emitted[index].decode("utf-8", "ignore")))
+            self._emitted[index] += self._token(lp.token)[1]
+        tops = [{self._token(t)[0]: x for t, x in (*lp.top, (lp.token, lp.logprob))} for lp in lps]
+        return {"tokens": [self._token(lp.token)[0] for lp in lps], "token_logprobs": [lp.logprob for lp in lps],
+                "top_logprobs": tops, "text_offset": offsets}  # as OpenAI's: the chosen token is always in its top
+
+    def _token(self, token: int) -> tuple[str, bytes]:
+        """The token's name in logprobs (`shown_token`) and its bytes."""
+        text = self.text_of(token)
+        raw = self.token_bytes(token) if self.token_bytes is not None else None
+        return shown_token(text, raw), text.encode("utf-8", "surrogatepass") if raw is None else raw
 
     def _chat_logprob(self, lp: TokenLogprobs) -> dict[str, Any]:
         def entry(token: int, logprob: float) -> dict[str, Any]:
-            text = self.text_of(token)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", "surrogatepass"))}
+            shown, raw = self._token(token)
+            return {"token": shown, "logprob": logprob, "bytes": list(raw)}
 
         return {**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, x) for t, x in lp.top]}
 

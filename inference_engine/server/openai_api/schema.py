@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 
 
 class Body(BaseModel):
@@ -27,6 +27,22 @@ class TextPart(Body):
     text: str
 
 
+class MessageFunction(Body):
+    """An assistant's call: the function's name and its arguments, JSON text as OpenAI sends them (an object is
+    taken as it is)."""
+
+    name: str
+    arguments: str | dict[str, Any] | None = Field(default=None, description="JSON text of the arguments")
+
+
+class MessageToolCall(Body):
+    """One entry of an assistant message's tool_calls."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: MessageFunction
+
+
 class Message(Body):
     """One chat message."""
 
@@ -34,8 +50,8 @@ class Message(Body):
         description="'developer' is rendered as 'system'; a 'tool' result is rendered as a user turn")
     content: str | list[TextPart] | None = Field(default=None, description="a string or text parts")
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = Field(default=None, description="an assistant turn's calls (rendered "
-                                                    "as their JSON)")
+    tool_calls: list[MessageToolCall] | None = Field(default=None, description="an assistant turn's calls (rendered as "
+                                              "their JSON)")
     tool_call_id: str | None = Field(default=None, description="a tool result's call (rendered with its result)")
 
     def text(self) -> str:
@@ -76,6 +92,39 @@ class SamplingFields(Body):
     min_p: float | None = Field(default=None, description="extension: keep tokens at least min_p times the top one")
     repetition_penalty: float | None = Field(default=None, description="extension: CTRL-style penalty (1 = none)")
     ignore_eos: bool | None = Field(default=False, description="extension: keep going past EOS tokens")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _is_unicode(cls, data: Any) -> Any:
+        """Refuse a string that is not Unicode text (JSON's "\\ud800" escapes decode to lone surrogates)."""
+        where = _lone_surrogate(data, "")
+        if where is not None:
+            raise ValueError(f"{where or 'body'} holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape); "
+                             "strings must be valid Unicode")
+        return data
+
+
+def _lone_surrogate(value: Any, path: str) -> str | None:
+    """The path of the first string (key or value) in `value` that cannot be encoded as UTF-8, else None."""
+    if isinstance(value, str):
+        return None if value.isascii() or _encodes(value) else path
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        inner = f"{path}.{key}" if path else str(key)
+        if isinstance(key, str) and not _encodes(key):
+            return inner
+        found = _lone_surrogate(item, inner)
+        if found is not None:
+            return found
+    return None
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
 
 
 class JsonSchemaFormat(Body):

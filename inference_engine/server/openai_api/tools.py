@@ -20,7 +20,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from inference_engine.errors import InvalidRequest
-from inference_engine.server.openai_api.schema import ChatCompletionRequest, NamedToolChoice, ResponseFormat, Tool
+from inference_engine.server.openai_api.schema import (
+    ChatCompletionRequest, MessageToolCall, NamedToolChoice, ResponseFormat, Tool,
+)
 from inference_engine.text.codec import ChatMessage
 from inference_engine.text.constraint import ANY_JSON_OBJECT, Constraint
 
@@ -61,7 +63,7 @@ def response_constraint(fmt: ResponseFormat | None) -> Constraint | None:
     """response_format -> the reply's constraint (None: free text).
 
     Raises:
-        InvalidRequest: json_schema without its `json_schema` object.
+        InvalidRequest: json_schema without its `json_schema` object, or with a bad name.
     """
     if fmt is None or fmt.type == "text":
         return None
@@ -69,6 +71,9 @@ def response_constraint(fmt: ResponseFormat | None) -> Constraint | None:
         return Constraint("json_object", ANY_JSON_OBJECT)
     if fmt.json_schema is None:
         raise InvalidRequest("response_format.json_schema is required with type json_schema", "response_format")
+    if not TOOL_NAME.fullmatch(fmt.json_schema.name):  # OpenAI's rule for the name, as for a function's
+        raise InvalidRequest(f"response_format.json_schema.name {fmt.json_schema.name[:80]!r} is not 1..64 letters, "
+                             "digits, '_' or '-'", "response_format")
     schema = fmt.json_schema.schema_ if fmt.json_schema.schema_ is not None else json.loads(ANY_JSON_OBJECT)
     return Constraint("json_schema", json.dumps(schema))
 
@@ -122,7 +127,7 @@ def with_tools(messages: list[ChatMessage], plan: ToolPlan | None) -> list[ChatM
     return [ChatMessage("system", plan.system), *messages]
 
 
-def message_text(role: str, content: str, tool_calls: list[dict[str, Any]] | None, tool_call_id: str | None) -> \
+def message_text(role: str, content: str, tool_calls: list[MessageToolCall] | None, tool_call_id: str | None) -> \
         tuple[str, str]:
     """A message as the chat template gets it: an assistant's calls as their call objects, a tool's
     result as a user turn naming its call."""
@@ -131,13 +136,14 @@ def message_text(role: str, content: str, tool_calls: list[dict[str, Any]] | Non
     if role == "assistant" and tool_calls:
         calls = []
         for c in tool_calls:
-            f = c.get("function") or {}
-            try:
-                args = json.loads(f.get("arguments") or "{}")
-            except ValueError:
-                args = f.get("arguments")
+            args: Any = c.function.arguments
+            if isinstance(args, str) or args is None:
+                try:
+                    args = json.loads(args or "{}")
+                except ValueError:
+                    pass  # not JSON: rendered as the text it is
             # as the model wrote it (compact, characters unescaped): the next turn reuses the cached reply
-            calls.append(json.dumps({"name": f.get("name"), "arguments": args}, separators=(",", ":"),
+            calls.append(json.dumps({"name": c.function.name, "arguments": args}, separators=(",", ":"),
                                     ensure_ascii=False))
         return role, "\n".join([content, *calls]) if content else "\n".join(calls)
     return role, content
