@@ -39,7 +39,7 @@ from benchkit.concurrency import aggregate  # noqa: E402
 from benchkit.core import (CHAT_PROMPT, CORPUS_MODULES, FULL, QUICK, ROOT, Prompts, memory_bandwidth,  # noqa: E402
                            run_interleaved, summary)
 from benchkit.engines import measure_rss, start_server  # noqa: E402
-from benchkit.report import _cpu_name  # noqa: E402
+from benchkit.report import cpu_name  # noqa: E402
 
 MODEL = "packaged:gemma3-270m"
 
@@ -105,7 +105,7 @@ def main() -> None:
     med = {k: e["decode_tok_s"]["median"] for k, e in engines.items()}
     report = {
         "meta": {"date": datetime.date.today().isoformat(), "host": socket.gethostname(), "quick": args.quick,
-                 "plan": asdict(plan), "cpu": _cpu_name(), "cores": os.cpu_count(), "python": platform.python_version(),
+                 "plan": asdict(plan), "cpu": cpu_name(), "cores": os.cpu_count(), "python": platform.python_version(),
                  "model": MODEL, "gguf": str(gguf), "seconds": time.time() - t0,
                  "load_average_at_end": os.getloadavg()},
         "bandwidth": bandwidth,

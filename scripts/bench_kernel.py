@@ -36,6 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo (inference_engine)
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ (benchkit)
+from benchkit.report import cpu_name  # noqa: E402
 
 LAYER = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (in, out) of one block's matmuls
 STEP = LAYER * 30 + [(576, 49152)]
@@ -172,7 +173,7 @@ def main() -> int:
     base = "row-gemv" if "row-gemv" in medians else next(iter(medians))
     report = {
         "date": datetime.now().isoformat(timespec="seconds"), "host": socket.gethostname(),
-        "cpu": _cpu_model(), "cores": os.cpu_count(), "mlx": mx.__version__, "python": platform.python_version(),
+        "cpu": cpu_name(), "cores": os.cpu_count(), "mlx": mx.__version__, "python": platform.python_version(),
         "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]), "reps": args.reps,
         "step": {"matmuls": len(STEP), "weight_bytes": weight_bytes, "shapes_in_out": "30 x " + str(LAYER) + " + [(576, 49152)]"},
         "bandwidth": bandwidth,
@@ -190,14 +191,6 @@ def main() -> int:
     _print_table(report, sizes, base)
     print(f"wrote {out}")
     return 0
-
-
-def _cpu_model() -> str:
-    try:
-        return next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                    if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor()
 
 
 def _print_table(report: dict, sizes: list[int], base: str) -> None:

@@ -20,7 +20,8 @@ Per engine:
   requests; how many copies equal the solo completion.
 
 Usage: scripts/bench_openai.py [--out FILE] [--no-peers] [--llama-cpp-python PEER_VENV/bin/python].
-Writes results/openai/<date>-<host>.json, with each peer's ratios to ours under "ratios".
+Writes results/openai/<date>-<host>.json, with each peer's ratios to ours under "ratios", the CPU and the
+memory bandwidth at the start and the end.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 QUESTIONS = ("What is the capital of France?", "And of Italy?", "Which one is bigger?", "Name a famous dish from each.",
              "Which is easier to cook?", "Give me its ingredients.", "How long does it take?", "Thanks, summarize.")
+BANDWIDTH_BYTES = 512 << 20  # the memory-bandwidth probe's buffer, read at the start and at the end
 TOPICS = ("the sea", "a mountain", "the moon", "a forest", "the desert", "a city", "the rain", "a river")
 
 
@@ -236,6 +238,10 @@ def measure_peer(start: Callable[[], tuple[subprocess.Popen, str]], model: str |
         proc, url = start()
         try:
             return measure(url, model=model)
+        except Exception as exc:
+            if proc.poll() is not None and proc.returncode < 0:  # e.g. SIGILL: a build for another CPU
+                raise RuntimeError(f"its server died of {signal.Signals(-proc.returncode).name} ({exc})") from exc
+            raise
         finally:
             _stop(proc)
     except Exception as exc:  # noqa: BLE001 - a peer that cannot run is reported, not fatal
@@ -279,8 +285,12 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     logs = out.parent / "logs"
     logs.mkdir(exist_ok=True)
-    report: dict[str, Any] = {"date": str(date.today()), "host": platform.node(), "cpus": os.cpu_count(),
-                              "load_avg_start": os.getloadavg(), "engines": {}}
+    from benchkit.core import memory_bandwidth
+    from benchkit.report import cpu_name
+
+    report: dict[str, Any] = {"date": str(date.today()), "host": platform.node(), "cpu": cpu_name(),
+                              "cpus": os.cpu_count(), "load_avg_start": os.getloadavg(),
+                              "bandwidth_start": memory_bandwidth(BANDWIDTH_BYTES, 5), "engines": {}}
     proc, url, metrics_port = start_ours(logs / "ours.log")
     try:
         before = cache_counters(metrics_port)
@@ -300,6 +310,7 @@ def main() -> int:
         report["engines"]["llama_cpp"] = why_not or measure_peer(
             lambda: start_llama_cpp(args.llama_cpp_python, packaged_gguf_path(), logs / "llama_cpp.log"))
     report["load_avg_end"] = os.getloadavg()
+    report["bandwidth_end"] = memory_bandwidth(BANDWIDTH_BYTES, 5)  # this VM's drifts: a ratio across it means less
     report["ratios"], report["goals"] = ratios_and_goals(report["engines"])
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))

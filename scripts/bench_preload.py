@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -31,17 +30,11 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from benchkit.core import memory_bandwidth  # noqa: E402
+from benchkit.report import cpu_name  # noqa: E402
 from inference_engine.readiness import wait_ready  # noqa: E402
 
 ARMS = {"no_preload": {}, "preload": {"INFERENCE_ENGINE_OPENBLAS": "1"}}
 PROMPT = [(11 * i + 5) % 40000 + 100 for i in range(256)]
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.machine()
 
 
 def one_server(arm: str, mode: str, weights: str, decodes: int) -> dict:

@@ -107,7 +107,7 @@ def build_report(plan: Plan, quick: bool, model_dir: Path, gguf: Path, bandwidth
     return {
         "meta": {
             "date": datetime.date.today().isoformat(), "host": socket.gethostname(), "quick": quick,
-            "plan": asdict(plan), "cpu": _cpu_name(), "cores": os.cpu_count(), "python": platform.python_version(),
+            "plan": asdict(plan), "cpu": cpu_name(), "cores": os.cpu_count(), "python": platform.python_version(),
             "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "blas": active_blas(),
             "model": str(model_dir), "gguf": str(gguf), "load_average_at_end": os.getloadavg(),
         },
@@ -186,7 +186,8 @@ def batching_targets(report: dict[str, Any]) -> dict[str, Any]:
     return {"ratios": ratios, "targets": BATCHING_TARGETS, "head_of_line_append_tokens": conc["head_of_line"]["append_tokens"]}
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), else the machine's architecture."""
     for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
         if line.startswith("model name"):
             return line.split(":", 1)[1].strip()

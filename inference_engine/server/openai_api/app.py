@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, replace
 from typing import TypeVar
@@ -34,6 +35,7 @@ from inference_engine.server.openai_api.schema import ChatCompletionRequest, Com
 from inference_engine.server.validation import Validator
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 CLIENT_CLOSED = 499  # the status logged for a request whose client hung up first (nginx's "client closed request")
 
 
@@ -231,8 +233,12 @@ async def _unless_gone(request: Request, work: Awaitable[T]) -> T:
 
 async def _disconnected(request: Request) -> None:
     """Return once the client has closed the connection (the body was read already: nothing else arrives)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+    try:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+    except Exception:  # noqa: BLE001 - a receive that cannot tell: never cut a request short on a guess
+        log.debug("cannot watch the connection of an HTTP request", exc_info=True)
+        await asyncio.Event().wait()
 
 
 def _data(obj: dict) -> str:
