@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import errno
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from inference_engine.security.flags import (
 )
 from inference_engine.security.settings import ClientSecurity, ServerSecurity
 
+ORIGIN = re.compile(r"\*|https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?|https?://\[[0-9A-Fa-f:.]+\](:[0-9]{1,5})?")  # a web origin
 DEFAULT_MAX_TILE = 64  # largest block size the start-up probe tries (server and shard workers alike)
 
 
@@ -68,6 +70,7 @@ class ServerConfig:
     metrics_port: int = 0  # Prometheus endpoint port; 0 = no endpoint
     # -- the OpenAI-compatible HTTP API (docs/openai.md)
     http_port: int = 0  # port of the HTTP API on `host` (same TLS and tokens as gRPC); 0 = no HTTP API
+    http_allow_origins: tuple[str, ...] = ()  # web origins whose pages may call the HTTP API (CORS); () = none
     prefix_cache_bytes: int = 1 << 29  # K/V bytes of sessions the HTTP API keeps for prefix reuse (0 = none kept)
     prefix_cache_forks: bool = True  # also keep a fork at the end of a prompt whose reply may outgrow --max-rollback
     # -- session snapshots and persistence (docs/snapshots.md)
@@ -151,6 +154,9 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--http-port", type=int, default=d.http_port,
                         help="serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions) on --host "
                         "at this port, with the gRPC port's TLS and tokens (0 = off, the default)")
+    parser.add_argument("--http-allow-origin", action="append", default=[], metavar="ORIGIN",
+                        help="let web pages of ORIGIN (scheme://host[:port], or * for any) call the HTTP API from a "
+                        "browser (CORS; repeatable; tokens are still required when set; default: none)")
     parser.add_argument("--prefix-cache-bytes", type=int, default=d.prefix_cache_bytes,
                         help="K/V bytes of finished HTTP requests' sessions kept to reuse their prefix exactly "
                         "(counted in --max-kv-bytes, evicted least recently used before a live session is refused; "
@@ -241,7 +247,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         shard_recovery_timeout_s=args.shard_recovery_timeout, shard_step_timeout_s=args.shard_step_timeout,
         security=server_security_from_args(args), shard_security=client_security_from_args(args, "shard-"),
         metrics_host=args.metrics_host, metrics_port=args.metrics_port,
-        http_port=args.http_port, prefix_cache_bytes=args.prefix_cache_bytes,
+        http_port=args.http_port, http_allow_origins=tuple(args.http_allow_origin),
+        prefix_cache_bytes=args.prefix_cache_bytes,
         prefix_cache_forks=not args.no_prefix_cache_forks,
         snapshot_dir=args.snapshot_dir, max_snapshot_bytes=args.max_snapshot_bytes, max_transfers=args.max_transfers,
         max_transfers_per_identity=args.max_transfers_per_identity, persist_dir=args.persist_sessions,
@@ -284,8 +291,12 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         ("--spawn-shards", ",".join(cfg.spawn_shards),
          all(r.count(":") == 1 and r.replace(":", "").isdigit() for r in cfg.spawn_shards), "START:END,..."),
     ) if not ok]
+    malformed += [f"--http-allow-origin {o!r} (scheme://host[:port], or *)" for o in cfg.http_allow_origins
+                  if not ORIGIN.fullmatch(o)]
     if malformed:
         raise ValueError(f"malformed flags: {'; '.join(malformed)}")
+    if cfg.http_allow_origins and not cfg.http_port:
+        raise ValueError("--http-allow-origin opens the HTTP API to web pages; without --http-port there is none")
     check_exposure(cfg.host, cfg.security)
     if cfg.http_port and cfg.security.is_mtls and not cfg.security.has_tokens:
         raise ValueError("--http-port with --tls-client-ca needs --auth-token-file: the HTTP API identifies callers "

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 
 import httpx
 import openai
@@ -266,3 +267,33 @@ async def test_a_client_that_hangs_up_cancels_its_request(tiny_engine, monkeypat
         monkeypatch.setattr(s.runtime, stuck, real)
         async with s.client() as c:
             assert len(ids((await c.completions.create(model=s.model, prompt=PROMPT, max_tokens=3)).choices[0])) == 3
+
+
+async def test_web_pages_of_allowed_origins_only_may_call_it(tiny_engine):
+    """CORS is off by default (a browser page of any origin is refused its preflight); --http-allow-origin
+    opens the API to the pages of the origins it names, Authorization header included."""
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
+    async with http_api(tiny_engine) as s, httpx.AsyncClient(base_url=s.base_url) as h:
+        r = await h.options("/completions", headers={"Origin": "http://localhost:3000", **preflight})
+        assert r.status_code == 405 and "access-control-allow-origin" not in r.headers
+    async with http_api(tiny_engine, http_allow_origins=("http://localhost:3000",)) as s, \
+            httpx.AsyncClient(base_url=s.base_url) as h:
+        r = await h.options("/completions", headers={"Origin": "http://localhost:3000", **preflight})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://localhost:3000"
+        assert "authorization" in r.headers["access-control-allow-headers"].lower()
+        r = await h.options("/completions", headers={"Origin": "http://evil.example", **preflight})
+        assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+        r = await h.post("/completions", json={"model": s.model, "prompt": PROMPT, "max_tokens": 2},
+                         headers={"Origin": "http://localhost:3000"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://localhost:3000"
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--http-port", "8000", "--http-allow-origin", "localhost:3000"], "--http-allow-origin 'localhost:3000'"),
+    (["--http-allow-origin", "*"], "without --http-port there is none"),
+])
+def test_allowed_origins_are_checked_at_start(argv, says):
+    parser = argparse.ArgumentParser()
+    add_server_flags(parser)
+    with pytest.raises(ValueError, match=re.escape(says)):
+        config_from_args(parser.parse_args(argv))

@@ -18,6 +18,7 @@ from typing import TypeVar
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -74,11 +75,18 @@ class ApiState:
         return self.serving
 
 
-def build_app(state: ApiState) -> FastAPI:
-    """The FastAPI app over `state`."""
+def build_app(state: ApiState, allow_origins: tuple[str, ...] = ()) -> FastAPI:
+    """The FastAPI app over `state`.
+
+    Args:
+        allow_origins: web origins whose pages may call it from a browser (CORS; () = none, "*" = any).
+    """
     app = FastAPI(title="inference_engine OpenAI-compatible API", version="1",
                   description="Exact sessions behind OpenAI's chat and completions endpoints; see docs/openai.md.")
     app.add_middleware(observer.RequestObserver)
+    if allow_origins:  # outside the observer: a preflight is answered here (a bearer token needs no cookies)
+        app.add_middleware(CORSMiddleware, allow_origins=list(allow_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"], max_age=600)
 
     async def identity(request: Request) -> str:
         auth = state.authenticator

@@ -60,7 +60,7 @@ class HttpFrontend:
         """
         self.cfg = cfg
         self.state = ApiState(authenticator or Authenticator.from_security(cfg.security))
-        self.app = build_app(self.state)
+        self.app = build_app(self.state, cfg.http_allow_origins)
         self.port = 0
         self._server: _EmbeddedServer | None = None
         self._task: asyncio.Task | None = None
