@@ -12,7 +12,7 @@ import pytest
 
 from inference_engine.errors import InvalidRequest, InvariantViolation, PoolExhausted, SessionNotFound
 from inference_engine.shard.protocol.errors import WorkCancelled
-from inference_engine.shard.protocol.types import LayerRange, ShardWork
+from inference_engine.shard.protocol.types import LayerRange, ShardWork, StepItem
 from inference_engine.shard.worker.mlx_engine import MlxShardEngine
 from inference_engine.execution.kv_cache import CacheGeometry
 from tests.shard_helpers import GEOMETRY, chain_differences, ref_block, reference, run_chain
@@ -147,19 +147,16 @@ class ShardEngineContract:
         assert engine.release("a") and not engine.release("a")
         engine.open_session("b", GEOMETRY)
 
-    def test_cancel_item_and_session(self, chain, tiny):
+    def test_a_cancelled_item_leaves_the_session_exact(self, chain, tiny):
         head, _ = chain
         self._open(chain)
-        assert not head.cancel("nope") and not head.cancel("nope", 5)
-        assert head.cancel("s", 5)
-        with pytest.raises(WorkCancelled, match="work 5"):
-            head.prefill("s", ShardWork(5, 0, tuple(TOKENS[:6]), None))
-        # Only that item: the session is intact and exact.
-        got = run_chain(chain, "s", 6, 0, TOKENS[:6])
+        for run in (head.prefill, head.decode):  # asked before the block: nothing computed
+            with pytest.raises(WorkCancelled, match="work 5"):
+                run("s", ShardWork(5, 0, tuple(TOKENS[:1]), None), lambda: True)
+        out = head.step_many([StepItem("s", ShardWork(5, 0, tuple(TOKENS[:6]), None), False, lambda: True)])
+        assert isinstance(out[0], WorkCancelled) and head.metrics().steps == 0
+        got = run_chain(chain, "s", 6, 0, TOKENS[:6])  # the session is intact and exact
         assert got.tobytes() == ref_block(reference(tiny), TOKENS[:6]).tobytes()
-        assert head.cancel("s")
-        with pytest.raises(WorkCancelled, match="session"):
-            head.prefill("s", ShardWork(7, 6, (1,), None))
 
     def test_release_health_metrics(self, chain):
         head, _ = chain

@@ -85,11 +85,10 @@ def test_blocks_that_do_not_fit_the_tile_together_run_alone(chain):
 def test_one_item_refused_or_cancelled_leaves_the_others(chain):
     engines, refs = chain
     head = engines[0]
-    head.cancel("c", 7)
     items = [
         StepItem("a", ShardWork(5, 3, (TOKENS[70],), None), True),
         StepItem("b", ShardWork(6, 99, (TOKENS[71],), None), True),  # wrong position
-        StepItem("c", ShardWork(7, 1, (TOKENS[72],), None), True),  # cancelled before it ran
+        StepItem("c", ShardWork(7, 1, (TOKENS[72],), None), True, lambda: True),  # cancelled before it ran
         StepItem("nobody", ShardWork(8, 0, (TOKENS[73],), None), True),
         StepItem("a", ShardWork(9, 4, (TOKENS[74],), None), True),  # a's next block: after a's first
     ]

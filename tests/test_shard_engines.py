@@ -4,6 +4,8 @@ import json
 import time
 
 import numpy as np
+from typing import Callable
+
 import pytest
 
 from inference_engine.errors import InvalidRequest, InvariantViolation, PoolExhausted
@@ -30,22 +32,24 @@ def full(tiny):
     return engine
 
 
-def _cancel_after_first_chunk(monkeypatch, engine, work_id):
-    real = forward_module.forward_rows
+def _cancel_after_first_chunk(monkeypatch) -> Callable[[], bool]:
+    """An item's `is_cancelled` that turns true once the first chunk of rows has run (as a stream's cancel)."""
+    real, chunks = forward_module.forward_rows, []
 
     def run_then_cancel(*args):
         out = real(*args)
-        engine.cancel("s", work_id)
+        chunks.append(1)
         return out
 
     monkeypatch.setattr(forward_module, "forward_rows", run_then_cancel)
+    return lambda: bool(chunks)
 
 
 def test_cancel_mid_block_within_rollback_restores_the_cache(full, tiny, monkeypatch):
     run_chain([full], "s", 1, 0, TOKENS[:10])
-    _cancel_after_first_chunk(monkeypatch, full, 2)
+    cancelled = _cancel_after_first_chunk(monkeypatch)
     with pytest.raises(WorkCancelled):
-        full.prefill("s", ShardWork(2, 10, tuple(TOKENS[10:18]), None))  # 4 rows done, then cancelled
+        full.prefill("s", ShardWork(2, 10, tuple(TOKENS[10:18]), None), cancelled)  # 4 rows done, then cancelled
     monkeypatch.undo()
     ref = reference(tiny)
     ref_block(ref, TOKENS[:10])
@@ -57,9 +61,9 @@ def test_cancel_mid_block_beyond_rollback_breaks_the_session(tiny, monkeypatch):
     engine = MlxShardEngine(tiny.model, LayerRange(0, 2), block=4, max_rollback=2)
     engine.load()
     engine.open_session("s", CacheGeometry(2, 5, 4, 2))
-    _cancel_after_first_chunk(monkeypatch, engine, 1)
+    cancelled = _cancel_after_first_chunk(monkeypatch)
     with pytest.raises(InvariantViolation, match="cannot be restored"):
-        engine.prefill("s", ShardWork(1, 0, tuple(TOKENS[:8]), None))
+        engine.prefill("s", ShardWork(1, 0, tuple(TOKENS[:8]), None), cancelled)
     with pytest.raises(InvariantViolation, match="broken"):
         engine.prefill("s", ShardWork(2, 4, (1,), None))
 
@@ -175,7 +179,7 @@ def test_fault_crash_after(tiny):
         engine.decode("s", ShardWork(2, 1, (3,), None))
     with pytest.raises(ShardUnavailable):
         engine.open_session("t", GEOMETRY)
-    assert engine.cancel("s") and engine.release("s")
+    assert engine.release("s")
 
 
 def test_fault_engine_rejects_like_inner(tiny):

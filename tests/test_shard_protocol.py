@@ -391,7 +391,7 @@ class _Exploding(MlxShardEngine):
             raise ZeroDivisionError("unexpected bug in open")
         super().open_session(session_id, geometry)
 
-    def prefill(self, session_id, work):
+    def prefill(self, session_id, work, is_cancelled=None):
         raise ZeroDivisionError("unexpected bug")
 
     def metrics(self):

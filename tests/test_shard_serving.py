@@ -152,28 +152,36 @@ def _server_log_pids(path, timeout_s: float = 10.0) -> dict[str, int]:
         time.sleep(0.1)
 
 
-async def test_spawned_worker_killed_mid_generate_continues_exactly(real_model_path, single_process, tmp_path):
+async def test_spawned_worker_killed_or_hung_mid_generate_continues_exactly(real_model_path, single_process,
+                                                                             tmp_path):
+    """Two sessions at once (their blocks share Batch messages): one SIGKILLs the middle worker mid-Generate,
+    the other SIGSTOPs the tail. The dead worker is restarted; the hung one misses its step deadline and is
+    killed by the supervisor, then restarted; both streams continue exactly."""
     log_path = tmp_path / "server.log"
     with open(log_path, "w") as log_file:
         server = subprocess.Popen(
             [sys.executable, "-m", "inference_engine", "serve", "--port", "0", "--spawn-shards", ",".join(RANGES),
-             "--draft-model", "none", "--max-sessions", "2", "--grace", "1", "--max-tile", "16"],  # single_process's
+             "--draft-model", "none", "--max-sessions", "2", "--grace", "1", "--max-tile", "16",  # single_process's
+             "--shard-step-timeout", "3"],
             stdout=subprocess.PIPE, stderr=log_file, text=True,
         )
     try:
         address = wait_ready(server)
         pids = _server_log_pids(log_path)
         async with grpc.aio.insecure_channel(address) as channel:
-            stub = pb_grpc.RuntimeServiceStub(channel)  # two sessions at once: their blocks share Batch messages
+            stub = pb_grpc.RuntimeServiceStub(channel)
             (stream, _, info), (other, _, other_info) = await asyncio.gather(
-                _script(stub, kill=lambda: _kill(pids["10:20"])), _script(stub))
-        assert "shard worker 10:20" in log_path.read_text().split("exited with status -9; restarting it")[0]
+                _script(stub, kill=lambda: _kill(pids["10:20"])),
+                _script(stub, kill=lambda: _kill(pids["20:30"], signal.SIGSTOP)))
+        logged = log_path.read_text()
+        assert "shard worker 10:20" in logged.split("exited with status -9; restarting it")[0]
+        assert f"shard worker 20:30 (pid {pids['20:30']}) at " in logged and "3 s deadline; killing it" in logged
         assert stream == other == single_process[0]
         assert info.state_digest == other_info.state_digest == single_process[1]
         server.send_signal(signal.SIGTERM)
         assert server.wait(timeout=60) == 0
         after = _server_log_pids(log_path)
-        assert after["10:20"] != pids["10:20"]  # the restarted worker logged its own pid
+        assert after["10:20"] != pids["10:20"] and after["20:30"] != pids["20:30"]  # restarted: their own pids
         for pid in after.values():
             with pytest.raises(ProcessLookupError):
                 _kill(pid, 0)  # every worker ended with the server

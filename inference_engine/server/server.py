@@ -13,6 +13,7 @@ the single-process results bit for bit.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import Callable
@@ -124,6 +125,8 @@ async def connect_shards(cfg: ServerConfig, engine: Engine) -> tuple[ShardRoute 
         g = engine.geometry(1, 1)
         route.check_serves(model_fingerprint(engine.loaded.model), kernels_in_use(), g.max_block, g.max_rollback)
         engine.use_backend(RouteBackend(route, engine.spec, engine.block))
+        if supervisor is not None:  # a spawned worker that hangs is ended, so that it restarts
+            route.pipeline.on_silent = _ender(supervisor, route.pipeline.step_timeout_s)
     except BaseException as exc:  # a failed or interrupted start leaves no worker and no token file behind
         if route is not None:
             await route.stop()
@@ -134,6 +137,18 @@ async def connect_shards(cfg: ServerConfig, engine: Engine) -> tuple[ShardRoute 
         raise
     log.info("layers run on the shard route %s (block %d)", ",".join(addresses), engine.block)
     return route, supervisor
+
+
+def _ender(supervisor: WorkerSupervisor, deadline_s: float) -> Callable[[str], None]:
+    """What the route (on its own thread) calls with a spawned worker that missed a deadline: the supervisor's
+    `stop_silent`, on this loop (once it is closed, nothing is left to end)."""
+    loop = asyncio.get_running_loop()
+
+    def end(address: str) -> None:
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(supervisor.stop_silent, address, deadline_s)
+
+    return end
 
 
 async def _reach(route: ShardRoute, wait_s: float) -> None:

@@ -49,6 +49,7 @@ class Forwarding:
         def _check_usable(s: RouteSession) -> None: ...
         def _break(self, s: RouteSession, exc: BaseException) -> None: ...
         def _count(self, hop: int, started: float) -> None: ...
+        def _silent(self, address: str) -> None: ...
         def _round(self, s: RouteSession, frame: Callable[[int, Any, int], pb.ShardRequestFrame],
                    check: Callable[[HopStream, pb.ShardStepResult, Any], Any], done: Callable[[], None] = ...,
                    count: bool = True) -> Awaitable[Any]: ...
@@ -58,7 +59,7 @@ class Forwarding:
     def _open_batches(self) -> None:
         """A Batch stream per worker, opened on first use (after `connect` learnt the route)."""
         self._close_batches()
-        self._batches = [BatchStream(stub, address, c, self.step_timeout_s)
+        self._batches = [BatchStream(stub, address, c, self.step_timeout_s, self._silent)
                          for stub, address, c in zip(self._stubs, self.addresses, self._caps)]
 
     def _close_batches(self) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from typing import Callable
 
 import grpc
 
@@ -44,14 +45,24 @@ def where(address: str, caps: ShardCapabilities) -> str:
     return f"shard worker {address} (layers {caps.layers})"
 
 
+def _ignore(address: str) -> None:
+    pass
+
+
 class HopStream:
     """One worker's stream for one route session."""
 
-    def __init__(self, stub: pb_grpc.ShardRuntimeStub, address: str, caps: ShardCapabilities, timeout_s: float):
+    def __init__(self, stub: pb_grpc.ShardRuntimeStub, address: str, caps: ShardCapabilities, timeout_s: float,
+                 silent: Callable[[str], None] = _ignore):
+        """
+        Args:
+            silent: told the worker's address when it does not answer in time (before DeadlineExpired is raised).
+        """
         self.stub = stub
         self.address = address
         self.caps = caps
         self.timeout_s = timeout_s
+        self.silent = silent
         self.credits = 0  # work frames the worker will accept now, as last granted
         self._call: grpc.aio.StreamStreamCall | None = None
         self._frames: asyncio.Queue = asyncio.Queue()  # answers as read, then the stream's end
@@ -169,6 +180,7 @@ class HopStream:
         try:
             item = await asyncio.wait_for(self._frames.get(), timeout_s)
         except asyncio.TimeoutError:
+            self.silent(self.address)
             raise DeadlineExpired(f"{self.where} did not answer within {timeout_s:.1f} s") from None
         if item is _STREAM_END:
             self._frames.put_nowait(item)  # the stream stays ended for later reads
@@ -198,11 +210,13 @@ class BatchStream:
     """One worker's Batch stream, shared by every session of the route: many sessions' frames in one
     message each way."""
 
-    def __init__(self, stub: pb_grpc.ShardRuntimeStub, address: str, caps: ShardCapabilities, timeout_s: float):
+    def __init__(self, stub: pb_grpc.ShardRuntimeStub, address: str, caps: ShardCapabilities, timeout_s: float,
+                 silent: Callable[[str], None] = _ignore):
         self.stub = stub
         self.address = address
         self.where = where(address, caps)
         self.timeout_s = timeout_s
+        self.silent = silent  # as HopStream's
         self._call: grpc.aio.StreamStreamCall | None = None
         self._lock = asyncio.Lock()
 
@@ -228,6 +242,7 @@ class BatchStream:
                 return list(response.frames)
             except asyncio.TimeoutError:
                 self.close()
+                self.silent(self.address)
                 raise DeadlineExpired(f"{self.where} did not answer a Batch request within {self.timeout_s:.1f} s") \
                     from None
             except grpc.aio.AioRpcError as exc:

@@ -79,6 +79,7 @@ class ShardPipeline(Forwarding):
         self._caps: tuple[ShardCapabilities, ...] = ()
         self._sessions: dict[str, RouteSession] = {}
         self._stats = [[0, 0.0] for _ in self.addresses]  # calls, seconds per hop
+        self.on_silent: Callable[[str], None] | None = None  # told a worker's address when it misses a deadline
 
     async def __aenter__(self) -> "ShardPipeline":
         await self.connect()
@@ -182,7 +183,7 @@ class ShardPipeline(Forwarding):
             del self._sessions[session_id]
         geometry = CacheGeometry(sink=sink, window=window, max_block=max_block or self.max_block,
                                  max_rollback=self.max_rollback if max_rollback is None else max_rollback)
-        hops = [HopStream(stub, address, caps, self.step_timeout_s)
+        hops = [HopStream(stub, address, caps, self.step_timeout_s, self._silent)
                 for stub, address, caps in zip(self._stubs, self.addresses, self._caps)]
         session = RouteSession(session_id, self._epoch, geometry, hops)
         try:  # every open settles first: a release racing a SessionOpen in flight would miss it
@@ -409,6 +410,11 @@ class ShardPipeline(Forwarding):
             done()
             return data
 
+    def _silent(self, address: str) -> None:
+        """A worker did not answer within its deadline (a hung worker counts as failed: `on_silent` may end it)."""
+        if self.on_silent is not None:
+            self.on_silent(address)
+
     def _count(self, hop: int, started: float) -> None:
         self._stats[hop][0] += 1
         self._stats[hop][1] += time.perf_counter() - started
@@ -419,4 +425,6 @@ class ShardPipeline(Forwarding):
         try:
             return await getattr(self._stubs[i], method)(request, timeout=self.connect_timeout_s)
         except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                self._silent(self.addresses[i])
             raise error_of_rpc(exc, self.addresses[i]) from exc

@@ -2,7 +2,8 @@
 
 Each layer range runs as a `shard-worker` subprocess. The first start picks a free port;
 a worker that dies is restarted at the same address, so the route (and its clients'
-channels) stays the same and sessions recover by replay (see route_backend.py).
+channels) stays the same and sessions recover by replay (see route_backend.py). A worker that
+hangs (it misses a step deadline: `stop_silent`) counts as failed: it is killed, so it restarts too.
 
 The workers listen on loopback, where any local process could reach them, or bind a dead
 worker's port before its restart does. So the route and the workers authenticate each other
@@ -21,6 +22,7 @@ import os
 import secrets
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -57,6 +59,7 @@ class WorkerSupervisor:
         self.flags = flags
         self.addresses: list[str] = []  # host:port per range, once started
         self.procs: list[asyncio.subprocess.Process | None] = [None] * len(layer_ranges)
+        self._started = [0.0] * len(layer_ranges)  # when each worker's process was started (monotonic)
         self.restarts = 0  # workers restarted since start
         self._watchers: list[asyncio.Task] = []
         self._stopping = False
@@ -135,7 +138,7 @@ class WorkerSupervisor:
             if not creating.cancelled() and creating.exception() is None:
                 self.procs[i] = creating.result()
             raise
-        self.procs[i] = proc
+        self.procs[i], self._started[i] = proc, time.monotonic()
         try:
             address = await wait_ready_async(proc, READY_TIMEOUT_S)
         except OSError as exc:
@@ -160,6 +163,23 @@ class WorkerSupervisor:
                 except OSError as exc:
                     log.error("restarting shard worker %s failed: %s; retrying", self.layer_ranges[i], exc)
                     await asyncio.sleep(RESTART_PAUSE_S)
+
+    def stop_silent(self, address: str, deadline_s: float) -> None:
+        """Kill the worker at `address`, which did not answer within its deadline; its watcher restarts it.
+
+        Args:
+            deadline_s: the deadline it missed: a worker started since then is not the one that missed it.
+        """
+        if self._stopping or address not in self.addresses:
+            return
+        i = self.addresses.index(address)
+        proc = self.procs[i]
+        if proc is None or proc.returncode is not None or time.monotonic() - self._started[i] < deadline_s:
+            return
+        log.warning("shard worker %s (pid %d) at %s did not answer within its %g s deadline; killing it so it is "
+                    "restarted", self.layer_ranges[i], proc.pid, address, deadline_s)
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
 
     async def stop(self, grace_s: float = 5.0) -> None:
         """Stop supervising and end every worker (SIGTERM, then SIGKILL after `grace_s`)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -113,6 +114,11 @@ class ShardMetrics:
     forwards: int = 0  # forwards that computed them (one forward may carry several sessions' steps)
 
 
+def never_cancelled() -> bool:
+    """`StepItem.is_cancelled` of an item no stream can cancel."""
+    return False
+
+
 @dataclass(frozen=True, eq=False)
 class StepItem:
     """One session's prefill or decode block, as a worker queues it for its engine."""
@@ -120,3 +126,5 @@ class StepItem:
     session_id: str
     work: ShardWork
     is_decode: bool  # a DecodeStep frame: exactly one row
+    # The session stream's say (read on the engine thread): stop before the block, or at its next chunk boundary.
+    is_cancelled: Callable[[], bool] = never_cancelled

@@ -11,17 +11,18 @@ alone (row-invariant products, per-row attention). This file adds only what a wo
 checks: its sessions' positions, inputs, cancels and broken state.
 
 The one engine (a TEST FIXTURE wraps it to inject faults; `tests/shard_contract.py` checks both).
-All calls run on the worker's engine thread but `cancel`, `health`, `metrics`, `capabilities`
-(any thread, never blocking on running work).
+All calls run on the worker's engine thread but `health`, `metrics`, `capabilities` (any thread,
+never blocking on running work). Cancels are the session stream's: each block asks its item
+(`StepItem.is_cancelled`) before it starts and at every chunk boundary.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -41,6 +42,7 @@ from inference_engine.shard.protocol.types import (
     ShardOutput,
     ShardWork,
     StepItem,
+    never_cancelled,
 )
 from inference_engine.execution.executor import Block, LocalBackend, LocalExecutor
 from inference_engine.execution.kv_cache import CacheGeometry, SinkWindowKVCache
@@ -54,9 +56,7 @@ class _Session:
     """One route session's caches on this engine."""
 
     executor: LocalExecutor  # one cache per block in [start, end), of the route's shared geometry
-    is_cancelled: bool = False  # whole-session cancel: refuse all work
     broken: str = ""  # why the cache is unusable ("" = fine)
-    cancelled_items: set[int] = field(default_factory=set)  # work ids to stop at a chunk boundary
 
     @property
     def cache(self) -> list[SinkWindowKVCache]:
@@ -191,34 +191,18 @@ class MlxShardEngine:
         with self._lock:
             return self._sessions.pop(session_id, None) is not None
 
-    def cancel(self, session_id: str, work_id: int | None = None) -> bool:
-        """Cancel one work item (running now or started later) or, with None, the session.
-
-        A cancelled item stops at its next chunk boundary with WorkCancelled; a cancelled
-        session refuses all further work. Returns whether the session exists.
-        """
-        s = self._sessions.get(session_id)
-        if s is None:
-            return False
-        if work_id is None:
-            s.is_cancelled = True
-        else:
-            s.cancelled_items.add(work_id)
-        return True
-
     def _session(self, session_id: str) -> _Session:
         s = self._sessions.get(session_id)
         if s is None:
             raise SessionNotFound(f"session {session_id!r} is not open on this worker (layers {self.layers})")
         if s.broken:
             raise InvariantViolation(f"session {session_id!r} is broken ({s.broken}); release it and replay")
-        if s.is_cancelled:
-            raise WorkCancelled(f"session {session_id!r} was cancelled")
         return s
 
     # -- compute ---------------------------------------------------------------------
 
-    def prefill(self, session_id: str, work: ShardWork) -> ShardOutput:
+    def prefill(self, session_id: str, work: ShardWork,
+                is_cancelled: Callable[[], bool] = never_cancelled) -> ShardOutput:
         """Compute a block of rows at the session's next positions and keep them in the cache.
 
         Rows run in chunks of the session's `max_block`, exactly as `forward.forward` does,
@@ -232,13 +216,15 @@ class MlxShardEngine:
                 of width hidden_size elsewhere, token ids below vocab_size, rows >= 1).
             InvariantViolation: `work.position` is not the session's position, or the
                 session is broken (an earlier failure left its cache unusable).
-            WorkCancelled: the item or the session was cancelled; the cache is as before.
+            WorkCancelled: `is_cancelled()` said so, before the block or at a chunk boundary; the
+                cache is as before.
         """
-        return self._one(StepItem(session_id, work, is_decode=False))
+        return self._one(StepItem(session_id, work, False, is_cancelled))
 
-    def decode(self, session_id: str, work: ShardWork) -> ShardOutput:
+    def decode(self, session_id: str, work: ShardWork,
+               is_cancelled: Callable[[], bool] = never_cancelled) -> ShardOutput:
         """`prefill` for exactly one row (InvalidRequest for more)."""
-        return self._one(StepItem(session_id, work, is_decode=True))
+        return self._one(StepItem(session_id, work, True, is_cancelled))
 
     def _one(self, item: StepItem) -> ShardOutput:
         results: list[ShardOutput | BaseException | None] = [None]
@@ -328,13 +314,12 @@ class MlxShardEngine:
         if item.is_decode and work.rows != 1:
             raise InvalidRequest(f"decode takes exactly one row, got {work.rows}")
         self._check_input(s, work)
-        if work.work_id in s.cancelled_items:
-            s.cancelled_items.discard(work.work_id)
-            raise WorkCancelled(f"work {work.work_id} of session {item.session_id!r} was cancelled")
 
-        def before_chunk(done_rows: int) -> None:  # a lone block's chunk loop: a cancel stops it here
-            if s.is_cancelled or work.work_id in s.cancelled_items:
+        def before_chunk(done_rows: int) -> None:  # before the block, then in a lone block's chunk loop
+            if item.is_cancelled():
                 raise WorkCancelled(f"work {work.work_id} of session {item.session_id!r} was cancelled")
+
+        before_chunk(0)
 
         tokens = tuple(work.tokens) if self._caps.is_head else ()
         return s, Block(s.executor, tokens, work.all_logits, None if self._caps.is_head else work.hidden, before_chunk)
@@ -370,7 +355,9 @@ class MlxShardEngine:
         alone = [i for i in range(len(items)) if i not in together or len(together) == 1]
         for i in alone:  # through `decode` / `prefill`, so that a subclass overriding them is obeyed
             try:
-                results[i] = (self.decode if items[i].is_decode else self.prefill)(items[i].session_id, items[i].work)
+                item = items[i]
+                results[i] = (self.decode if item.is_decode else self.prefill)(item.session_id, item.work,
+                                                                                item.is_cancelled)
             except Exception as exc:  # noqa: BLE001 - that item's answer
                 results[i] = exc
         return results  # type: ignore[return-value] - every slot is filled
@@ -388,7 +375,6 @@ class MlxShardEngine:
         positions = [s.position for _, s, _ in blocks]
         outs = self._backend.forward([b for _, _, b in blocks])
         for (i, s, block), position, out in zip(blocks, positions, outs):
-            s.cancelled_items.discard(items[i].work.work_id)  # done, or a cancel that came too late
             results[i] = self._output(items[i], s, block, position, out)
         lone = blocks[0][2]  # a lone block runs in chunks of its session's max_block
         self._count(len(blocks), sum(b.rows for _, _, b in blocks), started,

@@ -200,8 +200,7 @@ class SessionStream:
         """Fail the session closed: `exc` becomes the stream's last frame and status."""
         if self._closing:
             return
-        self._closing, self._failure = True, exc
-        self.engine.cancel(self.key)
+        self._closing, self._failure = True, exc  # a running item stops at its next chunk boundary
         self._outbox.put_nowait(error_frame(exc, step, session_closed=True))
 
     def release(self) -> None:
@@ -209,16 +208,13 @@ class SessionStream:
         if self._closing:
             return
         self._closing = True
-        self.engine.cancel(self.key)
         self._outbox.put_nowait(_END)
 
     def cancel_item(self, work_id: int) -> bool:
         """Cancel one queued or running item; returns whether it was found."""
         found = work_id in self._queued or work_id == self._running
         if found:
-            self._cancelled.add(work_id)
-            if work_id == self._running:
-                self.engine.cancel(self.key, work_id)
+            self._cancelled.add(work_id)  # a running item stops at its next chunk boundary
         return found
 
     # -- the three loops -------------------------------------------------------------
@@ -340,7 +336,8 @@ class SessionStream:
             target, layers = item.kv
             new_position = await self.thread.run(self.engine.import_kv, self.key, position, target, layers)
             return step_result(step, position, new_position, self._grant())
-        out = await self.batcher.run(StepItem(self.key, item.work, is_decode=item.header.kind == "decode"))
+        out = await self.batcher.run(StepItem(self.key, item.work, item.header.kind == "decode",
+                                              lambda: self._closing or step in self._cancelled))
         return result_frame(out, self._grant())
 
     # -- helpers ---------------------------------------------------------------------
@@ -366,7 +363,7 @@ class SessionStream:
 
     async def _close(self, tasks: list[asyncio.Task]) -> None:
         """Stop the reader and executor, then free the session's caches."""
-        self.engine.cancel(self.key)  # a running item stops at its next chunk boundary
+        self._closing = True  # a running item stops at its next chunk boundary
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
