@@ -80,3 +80,47 @@ def test_blocks_and_fp32_dequantization_give_the_same_digests(gemma):
         assert feed(e, tokens, [24], SINK, WINDOW).state_digest() == feed(gemma, tokens, [9, 15], SINK, WINDOW).state_digest()
     finally:
         e.close()
+
+
+async def test_a_sessions_first_text_starts_with_the_files_bos(gemma):
+    """The GGUF says add_bos_token: a session's first text (and Tokenize with add_special_tokens) starts with
+    <bos> (2), as llama.cpp starts it; later texts do not (without it the base model answers "The The The")."""
+    async with running_server(gemma) as (stub, _):
+        sid = (await stub.CreateSession(pb.CreateSessionRequest())).session_id
+        first = await stub.AppendTokens(pb.AppendTokensRequest(session_id=sid, text="The capital of France is"))
+        later = await stub.AppendTokens(pb.AppendTokensRequest(session_id=sid, text=" Paris"))
+        assert first.tokens[0] == 2 and 2 not in later.tokens
+        plain = (await stub.Tokenize(pb.TokenizeRequest(text="The capital of France is"))).tokens
+        special = (await stub.Tokenize(pb.TokenizeRequest(text="The capital of France is", add_special_tokens=True)))
+        assert list(special.tokens) == [2, *plain] == list(first.tokens)
+
+
+async def test_the_cli_sends_a_base_model_plain_text(gemma):
+    """chat and a templated generate cannot run on a model without a chat template: refused before the first
+    turn (exit 2) naming `generate --raw`, which then answers the text (its BOS first: a sensible reply)."""
+    import asyncio
+    import io
+
+    from inference_engine.client import cli
+    from inference_engine.server.server import start_server
+    from inference_engine.runtime.runtime import Runtime
+    from tests.conftest import make_config
+
+    runtime = Runtime(gemma, make_config())
+    server, port = await start_server(runtime, "127.0.0.1", 0)
+    try:
+        async def run(*argv: str) -> tuple[int, str, str]:
+            out, err = io.StringIO(), io.StringIO()
+            rc = await asyncio.to_thread(cli.main, [*argv, "--target", f"127.0.0.1:{port}"], out, err,
+                                         lambda prompt: "hi")
+            return rc, out.getvalue(), err.getvalue()
+
+        for argv in (["chat"], ["generate", "--prompt", "hi"]):
+            rc, out, err = await run(*argv)
+            assert rc == 2 and "has no chat template (a base model)" in err and "generate --raw" in err, err
+        rc, out, _ = await run("generate", "--raw", "--prompt", "The capital of France is", "--max-new-tokens", "8")
+        assert rc == 0 and "The The" not in out and len(set(out.split())) >= 4, out  # no BOS: "France. The The The"
+        assert runtime.store.slabs_in_use == 0
+    finally:
+        await server.stop(0.5)
+        await runtime.stop()

@@ -321,6 +321,9 @@ def main(argv: list[str], out: TextIO = sys.stdout, err: TextIO = sys.stderr,
     try:
         info = client.connect()
         over = over_limits(args, info.limits)
+        if not getattr(args, "raw", False) and not info.has_chat_template:  # a base model: nothing to chat with
+            over = (f"{info.model_name} has no chat template (a base model): send plain text with "
+                    "`generate --raw --prompt TEXT`")
         if over:
             err.write(f"{command.prog}: error: {over}\n")
             return 2

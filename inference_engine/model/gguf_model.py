@@ -162,11 +162,26 @@ def gguf_tokenizer(g: GgufFile, cache_dir: Path | None = None) -> Any:
         i = g.get(f"tokenizer.ggml.{key}")
         return tokens[int(i)] if i is not None else None
 
+    add_bos, bos = bool(g.get("tokenizer.ggml.add_bos_token", False)), g.get("tokenizer.ggml.bos_token_id")
+    if add_bos and bos is not None:  # a sequence starts as the file says (Gemma's <bos>), as llama.cpp starts it
+        _start_with(backend, tokens[int(bos)], int(bos))
     return PreTrainedTokenizerFast(
         tokenizer_object=backend, bos_token=special("bos_token_id"), eos_token=special("eos_token_id"),
         unk_token=special("unknown_token_id"), pad_token=special("padding_token_id"),
-        chat_template=g.get("tokenizer.chat_template"), add_bos_token=bool(g.get("tokenizer.ggml.add_bos_token", False)),
+        chat_template=g.get("tokenizer.chat_template"), add_bos_token=add_bos,
     )
+
+
+def _start_with(backend: Any, token: str, token_id: int) -> None:
+    """Make `backend` put `token` first in every sequence it encodes with add_special_tokens (none without)."""
+    from tokenizers import processors
+
+    if backend.encode("a", add_special_tokens=True).ids[:1] == [token_id]:
+        return  # its own post-processor does already
+    template = processors.TemplateProcessing(single=f"{token} $A", pair=f"{token} $A {token} $B:1",
+                                             special_tokens=[(token, token_id)])
+    current = backend.post_processor
+    backend.post_processor = template if current is None else processors.Sequence([current, template])
 
 
 def build_gguf_model(g: GgufFile) -> tuple[nn.Module, dict[str, Any]]:

@@ -84,7 +84,8 @@ def resolve_input(
         FeatureUnavailable: messages on a tokenizer without a chat template.
     """
     if isinstance(request, TextInput):
-        tokens, chat, field, is_continuation = codec.encode(request.text), chat, "text", False
+        # A session's first text starts a sequence: what the tokenizer puts first (a BOS, as Gemma's) goes in too.
+        tokens, chat, field, is_continuation = codec.encode(request.text, not history), chat, "text", False
     else:
         tokens, chat, is_continuation = _continue_chat(codec, chat, history, request, set(eos_token_ids))
         field = "messages"

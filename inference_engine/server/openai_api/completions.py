@@ -95,7 +95,7 @@ class CompletionService:
                 if isinstance(prompt, ChatInput):
                     return codec.encode(codec.render(prompt.messages, prompt.add_generation_prompt))
                 assert isinstance(prompt, TextInput)
-                return codec.encode(prompt.text)
+                return codec.encode(prompt.text, add_special_tokens=True)  # a prompt starts a sequence (its BOS)
 
             tokens = tuple(await run_text(encode))  # a text thread, below the engine's priority
         self.validate.length("body.prompt", len(tokens), "tokens")
