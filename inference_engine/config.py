@@ -142,7 +142,8 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
                         help="spawn and supervise one shard worker per layer range (restarted if it dies); the route and the "
                              "workers authenticate each other with mTLS under a CA of this server's own")
     parser.add_argument("--shard-recovery-timeout", type=float, default=d.shard_recovery_timeout_s,
-                        help="seconds a call waits for a silent shard route before failing UNAVAILABLE")
+                        help="seconds a call waits for a silent shard route before failing UNAVAILABLE (and start-up "
+                        "waits for --shards workers still loading before it gives up)")
     parser.add_argument("--shard-step-timeout", type=float, default=d.shard_step_timeout_s,
                         help="seconds a shard worker may take to answer one step before it counts as failed and the "
                         "session is restored by replay (at most --shard-recovery-timeout)")

@@ -84,8 +84,8 @@ async def test_spawned_workers_require_the_supervisors_certificate_and_token(rea
             assert capability.kernels
         folder = sup.credentials_dir
         assert folder.stat().st_mode & 0o777 == 0o700
-        assert sorted(p.name for p in folder.iterdir()) == ["ca.pem", "route.key", "route.pem", "token.txt",
-                                                            "worker.key", "worker.pem"]
+        assert sorted(p.name for p in folder.iterdir()) == ["ca.pem", "owner.pid", "route.key", "route.pem",
+                                                            "token.txt", "worker.key", "worker.pem"]
         assert all(p.stat().st_mode & 0o777 == 0o600 for p in folder.iterdir())
         assert b"PRIVATE KEY" not in sup.pki.ca.read_bytes()  # the CA's key was never written
     finally:
@@ -219,3 +219,21 @@ def test_sigterm_while_the_spawned_workers_load_stops_them_and_removes_the_token
         if server.poll() is None:
             server.kill()
             server.wait()
+
+
+def test_a_dead_servers_credentials_are_removed_at_the_next_start(tmp_path):
+    """A SIGKILLed server leaves its token and keys in its folder: the next start removes the folder of a
+    server that no longer runs, and keeps a running one's, a folder without an owner and another file."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    folders = {}
+    for name, owner in (("dead", dead.stdout.strip()), ("alive", str(os.getpid())), ("unowned", None)):
+        folders[name] = tmp_path / f"{supervisor_module.CREDENTIALS_PREFIX}{name}"
+        folders[name].mkdir(mode=0o700)
+        (folders[name] / "token.txt").write_text("secret\n")
+        if owner is not None:
+            (folders[name] / supervisor_module.OWNER_FILE).write_text(owner + "\n")
+    other = tmp_path / "unrelated"
+    other.mkdir()
+    assert supervisor_module.remove_orphaned_credentials(tmp_path) == [folders["dead"]]
+    assert not folders["dead"].exists() and folders["alive"].exists() and folders["unowned"].exists()
+    assert other.exists()

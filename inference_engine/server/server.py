@@ -139,6 +139,9 @@ async def connect_shards(cfg: ServerConfig, engine: Engine) -> tuple[ShardRoute 
     return route, supervisor
 
 
+REACH_LOG_EVERY_S = 10.0  # how often start-up says it still waits for --shards workers
+
+
 def _ender(supervisor: WorkerSupervisor, deadline_s: float) -> Callable[[str], None]:
     """What the route (on its own thread) calls with a spawned worker that missed a deadline: the supervisor's
     `stop_silent`, on this loop (once it is closed, nothing is left to end)."""
@@ -154,15 +157,20 @@ def _ender(supervisor: WorkerSupervisor, deadline_s: float) -> Callable[[str], N
 async def _reach(route: ShardRoute, wait_s: float) -> None:
     """Connect the route, waiting up to `wait_s` for workers still starting: `--shards` workers
     started with the server (docs/shards.md's example) may load their layers longer than it does."""
-    deadline = time.monotonic() + wait_s
+    start = time.monotonic()
+    said = start - REACH_LOG_EVERY_S
     while True:
         try:
             await route.start()
             return
         except ShardUnavailable as exc:
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            if now >= start + wait_s:
                 raise
-            log.info("waiting for the shard route: %s", exc)
+            if now - said >= REACH_LOG_EVERY_S:  # one line, then one every REACH_LOG_EVERY_S (it retries every 0.5 s)
+                log.info("waiting for the shard route (%.0f s of --shard-recovery-timeout %g s): %s", now - start,
+                         wait_s, exc)
+                said = now
             await asyncio.sleep(0.5)
 
 

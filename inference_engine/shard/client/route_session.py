@@ -69,7 +69,8 @@ def check_route(addresses: Sequence[str], caps: Sequence[ShardCapabilities]) -> 
                                  f"starting at {expected_start} next")
         expected_start = c.layers.end
     if expected_start != head.num_layers:
-        raise InvalidRequest(f"the route ends at layer {expected_start}; the model has {head.num_layers}")
+        raise InvalidRequest(f"the route ends at layer {expected_start}; the model its workers run ({head.model_name}, "
+                             f"fingerprint {head.model_fingerprint[:12]}) has {head.num_layers}")
 
 
 def check_positions(hop: HopStream, result: pb.ShardStepResult, start: int, end: int, did: str) -> None:

@@ -36,6 +36,8 @@ from inference_engine.shard.protocol.types import LayerRange
 log = logging.getLogger(__name__)
 READY_TIMEOUT_S = 300.0  # loading a layer range (and probing) can take a while on a busy machine
 RESTART_PAUSE_S = 0.5  # between failed restart attempts (e.g. the port is not free yet)
+CREDENTIALS_PREFIX = "inference-engine-shard-"  # the credentials folder's name, in the temporary folder
+OWNER_FILE = "owner.pid"  # in it: the server's pid (a folder whose server died is removed at the next start)
 
 
 @dataclass(frozen=True)
@@ -77,11 +79,12 @@ class WorkerSupervisor:
                               token=self._token)
 
     def _write_credentials(self) -> None:
-        self.credentials_dir = Path(tempfile.mkdtemp(prefix="inference-engine-shard-"))  # mode 0700
+        remove_orphaned_credentials()
+        self.credentials_dir = Path(tempfile.mkdtemp(prefix=CREDENTIALS_PREFIX))  # mode 0700
         self.token_file = self.credentials_dir / "token.txt"
-        fd = os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(self._token + "\n")
+        for path, text in ((self.credentials_dir / OWNER_FILE, str(os.getpid())), (self.token_file, self._token)):
+            with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+                f.write(text + "\n")
         self.pki = make_spawn_pki(self.credentials_dir, self.flags.host)
 
     async def start(self) -> list[str]:
@@ -201,6 +204,34 @@ class WorkerSupervisor:
                 await proc.wait()
         if self.credentials_dir is not None:
             shutil.rmtree(self.credentials_dir, ignore_errors=True)
+
+
+def remove_orphaned_credentials(folder: Path | None = None) -> list[Path]:
+    """Remove the credentials folders of this user's supervisors that died without stopping (a SIGKILLed
+    server leaves its token and keys behind); returns them. A folder whose owner still runs is kept.
+
+    Args:
+        folder: where they are (default: the temporary folder).
+    """
+    removed = []
+    for path in Path(folder or tempfile.gettempdir()).glob(f"{CREDENTIALS_PREFIX}*"):
+        try:
+            if path.stat().st_uid != os.getuid():
+                continue
+            pid = int((path / OWNER_FILE).read_text())
+        except (OSError, ValueError):  # another user's, not one of ours, or one being made right now
+            continue
+        try:
+            os.kill(pid, 0)
+            continue  # its server still runs (or the pid was reused: kept, to be safe)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        log.info("removed the shard credentials of a server that died without stopping (pid %d)", pid)
+        removed.append(path)
+    return removed
 
 
 def check_layer_ranges(ranges: Sequence[str], num_layers: int) -> None:
