@@ -55,14 +55,6 @@ def unsigned(bits: int) -> Callable[[str], int]:
     return parse
 
 
-def text_file(path: str) -> str:
-    """An argparse type: the text of the file `path` (a usage error when it cannot be read)."""
-    try:
-        return Path(path).read_text()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise argparse.ArgumentTypeError(f"cannot read {path}: {getattr(exc, 'strerror', None) or exc}") from None
-
-
 def add_client_flags(parser: argparse.ArgumentParser) -> None:
     """Flags shared by chat and generate: where the server is and how to generate."""
     add_connection_flags(parser)
@@ -96,7 +88,7 @@ def add_client_commands(sub: argparse._SubParsersAction) -> dict[str, argparse.A
                      help="with --json: each token's logprob and N alternatives (0..20)")
     gen.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
     shape = gen.add_mutually_exclusive_group()
-    shape.add_argument("--json-schema", type=text_file, default=None, metavar="FILE",
+    shape.add_argument("--json-schema", type=Path, default=None, metavar="FILE",
                        help="the reply is JSON that this JSON schema file validates (constrained output)")
     shape.add_argument("--regex", default=None, help="the reply matches this regular expression (constrained output)")
     add_client_flags(gen)
@@ -313,6 +305,12 @@ def main(argv: list[str], out: TextIO = sys.stdout, err: TextIO = sys.stderr,
         command.error(f"unrecognized arguments: {' '.join(unknown)}")
     if getattr(args, "logprobs", None) is not None and not args.json:
         command.error("--logprobs N needs --json: plain text output has no place for them")
+    if getattr(args, "json_schema", None) is not None:  # read once parsed (parsing itself touches no file)
+        try:
+            args.json_schema = args.json_schema.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            command.error(f"argument --json-schema: cannot read {args.json_schema}: "
+                          f"{getattr(exc, 'strerror', None) or exc}")
     try:
         security = client_security(args)
         client = RuntimeClient(args.target, args.connect_timeout, security)
