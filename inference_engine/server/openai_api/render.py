@@ -97,12 +97,14 @@ class ResponseWriter:
     def _logprobs_object(self, index: int, lps: list[TokenLogprobs]) -> dict[str, Any] | None:
         if self.is_chat:
             return {"content": [self._chat_logprob(lp) for lp in lps]}
-        offsets = []
+        tokens, offsets = [], []
         for lp in lps:  # characters before the token (one it completes counts from its start)
+            shown, raw = self._token(lp.token)
+            tokens.append(shown)
             offsets.append(len(self._emitted[index].decode("utf-8", "ignore")))
-            self._emitted[index] += self._token(lp.token)[1]
-        tops = [{self._token(t)[0]: x for t, x in (*lp.top, (lp.token, lp.logprob))} for lp in lps]
-        return {"tokens": [self._token(lp.token)[0] for lp in lps], "token_logprobs": [lp.logprob for lp in lps],
+            self._emitted[index] += raw
+        tops = [{**{self._token(t)[0]: x for t, x in lp.top}, name: lp.logprob} for name, lp in zip(tokens, lps)]
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
                 "top_logprobs": tops, "text_offset": offsets}  # as OpenAI's: the chosen token is always in its top
 
     def _token(self, token: int) -> tuple[str, bytes]:

@@ -97,29 +97,35 @@ class SamplingFields(Body):
     @classmethod
     def _is_unicode(cls, data: Any) -> Any:
         """Refuse a string that is not Unicode text (JSON's "\\ud800" escapes decode to lone surrogates)."""
-        where = _lone_surrogate(data, "")
+        where = _lone_surrogate(data)
         if where is not None:
             raise ValueError(f"{where or 'body'} holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape); "
                              "strings must be valid Unicode")
         return data
 
 
-def _lone_surrogate(value: Any, path: str) -> str | None:
-    """The path of the first string (key or value) in `value` that cannot be encoded as UTF-8, else None."""
-    if isinstance(value, str):
-        return None if value.isascii() or _encodes(value) else path
-    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
-    for key, item in items:
-        inner = f"{path}.{key}" if path else str(key)
-        if isinstance(key, str) and not _encodes(key):
-            return inner
-        found = _lone_surrogate(item, inner)
-        if found is not None:
-            return found
+def _lone_surrogate(data: Any) -> str | None:
+    """The path of the first string (key or value) in a decoded JSON body that cannot be encoded as UTF-8, else
+    None (walked without recursion: as deep as the JSON decoder allowed)."""
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if not _encodes(value):
+                return path
+            continue
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        for key, item in reversed(list(items)):  # in document order
+            inner = f"{path}.{key}" if path else str(key)
+            if isinstance(key, str) and not _encodes(key):
+                return inner
+            stack.append((inner, item))
     return None
 
 
 def _encodes(text: str) -> bool:
+    if text.isascii():
+        return True
     try:
         text.encode("utf-8")
         return True
